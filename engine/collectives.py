@@ -1,0 +1,78 @@
+"""Autograd collectives for tensor parallelism, in Megatron's named pairs. All of them are no-ops
+for a group of size 1. Shapes: the split is always along the last dim (features).
+
+    copy_to_tp_region      forward: identity          backward: all-reduce (sum)
+    reduce_from_tp_region  forward: all-reduce (sum)  backward: identity
+    gather_from_tp_region  forward: all-gather        backward: keep this rank's slice of the grad
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+
+
+def _all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce_(x.contiguous().clone(), group)  # a copy: never write into autograd's inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rank, order):
+        # x: (..., F/ws) -> (..., F); `order` puts the rank-major concatenation back into feature order
+        ctx.group, ctx.rank, ctx.order, ctx.local = group, rank, order, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        y = torch.cat(parts, dim=-1)  # (..., ws * F/ws), rank-major
+        return y if order is None else y.index_select(-1, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.order is not None:  # back to rank-major: position order[j] of the cat holds feature j
+            inverse = torch.empty_like(ctx.order)
+            inverse[ctx.order] = torch.arange(ctx.order.numel(), device=ctx.order.device)
+            grad = grad.index_select(-1, inverse)
+        start = ctx.rank * ctx.local
+        return grad[..., start : start + ctx.local].contiguous(), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather the last dim; `order` (optional) maps the rank-major concatenation to feature order."""
+    if _world(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group, dist.get_rank(group), order)

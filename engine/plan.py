@@ -1,0 +1,367 @@
+"""From a mapping and a model's structure to a plan: pure data, no tensor read or written.
+
+The plan says, for every rank, which pieces of every sharded parameter it holds, which modules get
+which parallel behaviour, and which attributes change to which per-rank values. Building it checks
+everything (patterns match, parameters are claimed once, sizes divide, attributes exist); executing
+it (`engine.shard`) then cannot fail on user input. The same pieces drive slicing a full tensor,
+loading a rank's slice from a checkpoint, and gathering shards back into a full tensor.
+
+Pieces: ``pieces[r]`` is a tuple of ``(start, length)`` ranges along ``dim`` of the full tensor; the
+rank's local tensor is their concatenation, in order. A fused [q|k|v] weight at tp_size 2 with 4
+heads of 8 gives rank 1 ``((16, 16), (48, 16), (80, 16))`` = [q_1 | k_1 | v_1].
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tpmap import expr
+from tpmap.errors import (
+    ConfigAttributeError,
+    DivisibilityError,
+    ModuleKindError,
+    PatternMatchError,
+    Position,
+    TpmapError,
+    did_you_mean,
+)
+from tpmap.loader import LoadedMapping
+from tpmap.schema import Column, Row, Update
+
+Pieces = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """How one parameter is spread over the ranks."""
+
+    name: str  # full name in the model, e.g. transformer.h.0.attn.c_attn.weight
+    full_shape: tuple[int, ...]
+    dim: int | None  # the split dim; None: every rank holds the whole tensor
+    pieces: tuple[Pieces, ...] = ()  # per rank, ranges along dim
+    replicated_heads: bool = False  # some ranges are held by more than one rank (KV heads < tp_size)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = sum(n for _, n in self.pieces[rank])
+        return tuple(shape)
+
+    def indices(self, rank: int) -> list[int]:
+        """Full-tensor indices along dim held by `rank`, in local order."""
+        return [i for start, n in self.pieces[rank] for i in range(start, start + n)]
+
+
+@dataclass(frozen=True)
+class ModuleShard:
+    """A module replaced by its parallel counterpart."""
+
+    name: str  # full module name
+    style: str  # "column" | "row"
+    module_class: str
+    reverse: bool
+    gather_output: bool
+    entry: int  # index of the mapping entry (for messages)
+    weight: ParamShard
+    bias: ParamShard | None
+
+
+@dataclass(frozen=True)
+class AttributeUpdate:
+    module: str  # full module name
+    attribute: str  # dotted path on the module; through `config` when via_config
+    full_value: Any
+    values: tuple[int, ...]  # per rank
+    via_config: bool
+    entry: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_type: str
+    tp_size: int
+    base_prefix: str  # "transformer." etc.: patterns are relative to this
+    modules: tuple[ModuleShard, ...]
+    updates: tuple[AttributeUpdate, ...]
+    source: str = ""  # mapping file
+
+    @property
+    def params(self) -> dict[str, ParamShard]:
+        out = {}
+        for m in self.modules:
+            out[m.weight.name] = m.weight
+            if m.bias is not None:
+                out[m.bias.name] = m.bias
+        return out
+
+    def table(self, rank: int | None = None) -> str:
+        """A plain-text table of the plan (all ranks' pieces when rank is None)."""
+        rows = [("parameter", "style", "full shape", "dim", "local shape", "pieces (start:len) per rank")]
+        for m in self.modules:
+            for p in (m.weight, m.bias):
+                if p is None:
+                    continue
+                style = m.style + ("+gather" if m.gather_output else "") + (" rev" if m.reverse else "")
+                if p.dim is None:
+                    rows.append((p.name, style, _shape(p.full_shape), "-", _shape(p.full_shape), "replicated"))
+                    continue
+                ranks = range(self.tp_size) if rank is None else [rank]
+                pieces = " | ".join(
+                    f"r{r}:" + ",".join(f"{s}:{n}" for s, n in p.pieces[r]) for r in ranks
+                )
+                rows.append((p.name, style, _shape(p.full_shape), str(p.dim), _shape(p.local_shape(0)), pieces))
+        for u in self.updates:
+            vals = sorted(set(u.values))
+            rows.append((f"{u.module}.{u.attribute}", "update", str(u.full_value), "-",
+                         ",".join(map(str, vals)), "per-config-copy" if u.via_config else ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(map(str, s)) + ")"
+
+
+def match(pattern: str, names) -> list[str]:
+    """Module names matching `pattern`: a shell glob per dotted component, same number of components."""
+    parts = pattern.split(".")
+    return [
+        n for n in names
+        if n and len(n.split(".")) == len(parts) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(n.split("."), parts))
+    ]
+
+
+def _suggest(pattern: str, names) -> str:
+    """A close real module name, with layer numbers turned back into '*'."""
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names if n})
+    close = did_you_mean(pattern, generic)
+    return close or (f"; modules look like {generic[min(len(generic) - 1, 5)]!r}" if generic else "")
+
+
+def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return model, ""
+    for name, mod in model.named_modules():
+        if mod is base:
+            return base, name + "."
+    raise AssertionError("model.base_model is not a submodule of the model")
+
+
+class _Ctx:
+    """Evaluation context for one entry: names its position in every error it raises."""
+
+    def __init__(self, config: PretrainedConfig, loaded: LoadedMapping, index: int, tp_size: int):
+        self.config, self.loaded, self.index, self.tp_size = config, loaded, index, tp_size
+        self.entry = loaded.mapping.entries[index]
+
+    def pos(self, *key) -> Position:
+        return self.loaded.source.value(("entries", self.index) + key)
+
+    def lookup(self, name: str) -> int:
+        if not hasattr(self.config, name):
+            keys = set(self.config.to_dict()) | set(getattr(self.config, "attribute_map", {}))
+            raise ConfigAttributeError(
+                f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
+            )
+        return getattr(self.config, name)
+
+    def eval(self, text, *key, tp_rank: int = 0) -> int:
+        try:
+            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank)
+        except TpmapError as e:
+            raise self.error(type(e), str(e), *key) from None
+
+    def error(self, cls, message: str, *key) -> TpmapError:
+        e = self.entry
+        return cls(f"{self.pos(*key)}: entry {self.index} ({e.kind} {e.module!r}): {message}")
+
+
+def _split_dim(module: nn.Module, entry, ctx: _Ctx, name: str) -> tuple[int, str]:
+    """(weight dim holding the features this entry splits, short class name). Checks the module kind."""
+    cls = type(module).__name__
+    weight = getattr(module, "weight", None)
+    extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or extra or list(module.children()):
+        raise ctx.error(ModuleKindError, f"module {name} ({cls}) is not a plain 2-D weight (+bias) module; "
+                        "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: true")
+    column = isinstance(entry, Column)
+    if isinstance(module, nn.Embedding):
+        if entry.reverse:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse")
+        if not column:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding: only Column (split embedding_dim) applies; "
+                            "a vocabulary split is the mapping's vocab-parallel feature")
+        return 1, cls
+    if isinstance(module, nn.Linear):
+        if entry.reverse:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Linear, whose weight is [out, in]; remove reverse: true",
+                            "reverse")
+        return (0 if column else 1), cls
+    if not entry.reverse:
+        raise ctx.error(ModuleKindError, f"{name} is a {cls}, not nn.Linear; if its weight is stored [in, out] "
+                        "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by Column/Row")
+    return (1 if column else 0), cls
+
+
+def _sections(entry, dim_size: int, ctx: _Ctx) -> list[tuple[int, int | None]]:
+    """Resolve the entry's blocks to (size, heads) integers summing to dim_size."""
+    specs = entry.section_specs()
+    key = ("sections",) if entry.sections is not None else ()
+    sizes = [None if s is None else ctx.eval(s, *key) for s, _ in specs]
+    heads = [None if h is None else ctx.eval(h, *(key or ("heads",))) for _, h in specs]
+    unsized = [i for i, s in enumerate(sizes) if s is None]
+    if unsized:
+        rest = dim_size - sum(s for s in sizes if s is not None)
+        weights = {i: heads[i] or 1 for i in unsized}
+        if rest <= 0 or rest % sum(weights.values()):
+            raise ctx.error(DivisibilityError, f"the split dim has {dim_size} features; {rest} left for "
+                            f"{len(unsized)} unsized sections weighted {list(weights.values())} does not divide", *key)
+        unit = rest // sum(weights.values())
+        for i in unsized:
+            sizes[i] = weights[i] * unit
+    if sum(sizes) != dim_size:
+        raise ctx.error(DivisibilityError, f"sections sum to {sum(sizes)} ({' + '.join(map(str, sizes))}) but the "
+                        f"weight has {dim_size} features along the split dim"
+                        + (" (is reverse right?)" if not entry.reverse else ""), *key)
+    return list(zip(sizes, heads))
+
+
+def _pieces(sections, tp_size: int, column: bool, ctx: _Ctx, name: str) -> tuple[tuple[Pieces, ...], bool]:
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(tp_size)]
+    replicated = False
+    offset = 0
+    for size, heads in sections:
+        if heads is not None:
+            if heads <= 0 or size % heads:
+                raise ctx.error(DivisibilityError, f"{name}: a section of {size} features cannot hold {heads} heads")
+            head = size // heads
+            if heads % tp_size == 0:
+                n = heads // tp_size
+                for r in range(tp_size):
+                    per_rank[r].append((offset + r * n * head, n * head))
+            elif column and tp_size % heads == 0:
+                replicated = True
+                for r in range(tp_size):  # vLLM's rule: rank r uses head r // (tp_size / heads)
+                    per_rank[r].append((offset + (r // (tp_size // heads)) * head, head))
+            else:
+                why = "neither divides the other" if column else "a Row input cannot be replicated"
+                raise ctx.error(DivisibilityError, f"{name}: {heads} heads cannot be split over world size "
+                                f"{tp_size} ({why}); use a world size that divides {heads}", "heads")
+        else:
+            if size % tp_size:
+                raise ctx.error(DivisibilityError, f"{name}: {size} features cannot be split over world size {tp_size}")
+            n = size // tp_size
+            for r in range(tp_size):
+                per_rank[r].append((offset + r * n, n))
+        offset += size
+    merged = []
+    for ranges in per_rank:
+        out: list[tuple[int, int]] = []
+        for s, n in ranges:
+            if out and out[-1][0] + out[-1][1] == s:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((s, n))
+        merged.append(tuple(out))
+    return tuple(merged), replicated
+
+
+def _resolve_attr(module: nn.Module, path: str):
+    """(owner object, last name, value) for a dotted attribute path, or raise AttributeError."""
+    obj = module
+    parts = path.split(".")
+    for p in parts[:-1]:
+        obj = getattr(obj, p)
+    return obj, parts[-1], getattr(obj, parts[-1])
+
+
+def build(model: nn.Module, loaded: LoadedMapping, tp_size: int) -> Plan:
+    """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data."""
+    mapping = loaded.mapping
+    config = model.config
+    base, prefix = base_prefix(model)
+    modules = dict(base.named_modules())
+    names = list(modules)
+    owner: dict[str, int] = {}  # full param name -> entry index
+    shards: list[ModuleShard] = []
+    updates: list[AttributeUpdate] = []
+    seen_attr: dict[tuple[str, str], int] = {}
+
+    for i, entry in enumerate(mapping.entries):
+        ctx = _Ctx(config, loaded, i, tp_size)
+        matched = match(entry.module, names)
+        if not matched:
+            raise ctx.error(PatternMatchError, f"pattern matches no module of {type(model).__name__} (relative to "
+                            f"its base model{' ' + prefix[:-1] if prefix else ''}){_suggest(entry.module, names)}",
+                            "module")
+        for rel in matched:
+            module, full = modules[rel], prefix + rel
+            if isinstance(entry, Update):
+                updates.extend(_updates(module, full, entry, ctx, config, seen_attr))
+                continue
+            column = isinstance(entry, Column)
+            dim, cls = _split_dim(module, entry, ctx, full)
+            for pname, _ in module.named_parameters(recurse=False):
+                if f"{full}.{pname}" in owner:
+                    j = owner[f"{full}.{pname}"]
+                    raise ctx.error(PatternMatchError, f"parameter {full}.{pname} is already claimed by entry {j} "
+                                    f"({loaded.source.value(('entries', j, 'module'))}); each parameter may be "
+                                    "matched by one Column/Row entry only", "module")
+                owner[f"{full}.{pname}"] = i
+            w = module.weight
+            sections = _sections(entry, w.shape[dim], ctx)
+            pieces, replicated = _pieces(sections, tp_size, column, ctx, full)
+            if replicated and column and entry.gather_output:
+                raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
+                                f"at world size {tp_size}", "gather_output")
+            weight = ParamShard(f"{full}.weight", tuple(w.shape), dim, pieces, replicated)
+            bias = None
+            if getattr(module, "bias", None) is not None:
+                b = module.bias
+                bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
+                        else ParamShard(f"{full}.bias", tuple(b.shape), None))
+            shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
+                                      column and entry.gather_output, i, weight, bias))
+    _check_ties(model, {p for m in shards for p in (m.weight.name, m.bias and m.bias.name) if p})
+    return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path)
+
+
+def _updates(module, full, entry: Update, ctx: _Ctx, config, seen) -> list[AttributeUpdate]:
+    out = []
+    for path, value_expr in entry.attributes.items():
+        try:
+            _, _, current = _resolve_attr(module, path)
+        except AttributeError:
+            attrs = [a for a in vars(module) if not a.startswith("_")]
+            raise ctx.error(ConfigAttributeError if path.startswith("config.") else ModuleKindError,
+                            f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
+                            "attributes", path) from None
+        if (full, path) in seen:
+            raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry {seen[(full, path)]}",
+                            "attributes", path)
+        seen[(full, path)] = ctx.index
+        values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(ctx.tp_size))
+        via_config = isinstance(_resolve_attr(module, path)[0], PretrainedConfig)
+        out.append(AttributeUpdate(full, path, current, values, via_config, ctx.index))
+    return out
+
+
+def _check_ties(model: nn.Module, sharded: set[str]) -> None:
+    """A sharded parameter must not also be used, tied, by a module that stays whole."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for names in by_id.values():
+        if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
+            raise PatternMatchError(f"parameter {names[0]} is tied to {', '.join(names[1:])}; shard all of them "
+                                    "with the same entry or none")

@@ -1,0 +1,25 @@
+"""tpmap: tensor parallelism for Hugging Face transformers models from one YAML mapping per architecture.
+
+    import tpmap
+    model = tpmap.apply(model, world_size)      # under torchrun, after init_process_group
+"""
+from .api import apply, load_mapping, plan
+from .errors import (
+    AlreadyAppliedError,
+    ConfigAttributeError,
+    DivisibilityError,
+    MappingError,
+    MappingErrors,
+    ModuleKindError,
+    PatternMatchError,
+    ProcessGroupError,
+    TpmapError,
+    UnknownModelTypeError,
+)
+
+__version__ = "0.1.0"
+__all__ = [
+    "apply", "plan", "load_mapping", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
+    "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
+    "AlreadyAppliedError",
+]

@@ -1,0 +1,88 @@
+"""The `tpmap` command line: thin wrappers over the library.
+
+    tpmap verify [MODEL_TYPE ...] [--all] [--world-size N ...]   prove mappings on real ranks
+    tpmap plan MODEL_TYPE -n N [--rank R] [--default-config]     print the plan as a table
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _verify(args) -> int:
+    from . import loader, verify
+
+    shipped = list(loader.shipped_files())
+    model_types = shipped if args.all else args.model_types
+    if not model_types:
+        print("tpmap verify: name model types or pass --all", file=sys.stderr)
+        return 2
+    unknown = [m for m in model_types if m not in shipped]
+    if unknown:
+        print(f"tpmap verify: no mapping for {', '.join(unknown)}; supported: {', '.join(shipped)}", file=sys.stderr)
+        return 2
+    case_list = verify.cases(model_types, args.world_size)
+    if not case_list:
+        print("tpmap verify: no case matches those world sizes", file=sys.stderr)
+        return 2
+    print(verify.HEADER, flush=True)
+    results = verify.run(case_list, timeout=args.timeout, log=lambda line: print(line, flush=True))
+    failed = [r for r in results if not r.passed]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _plan(args) -> int:
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    from . import api, loader
+
+    loaded = loader.for_model_type(args.model_type)
+    spec = loaded.mapping.verify[0]
+    config = AutoConfig.for_model(args.model_type, **({} if args.default_config else spec.config))
+    cls = getattr(transformers, args.model_class or spec.models[0])
+    with torch.device("meta"):  # structure and shapes only: no memory, no weights
+        model = cls(config)
+    plan = api.plan(model, args.n, mapping=loaded)
+    which = "default" if args.default_config else f"embedded '{spec.name}'"
+    print(f"# {args.model_type} ({cls.__name__}, {which} config), world size {args.n}, mapping {plan.source}")
+    print(plan.table(args.rank))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpmap", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks")
+    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE")
+    p.add_argument("--all", action="store_true", help="every shipped mapping")
+    p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("plan", help="print which rank holds which slice, without running anything")
+    p.add_argument("model_type")
+    p.add_argument("-n", "--world-size", dest="n", type=int, required=True)
+    p.add_argument("--rank", type=int, default=None, help="only this rank's pieces")
+    p.add_argument("--default-config", action="store_true", help="the model type's default config, not the tiny one")
+    p.add_argument("--model-class", default=None, help="transformers class (default: the first in the mapping)")
+    p.set_defaults(func=_plan)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .errors import TpmapError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TpmapError as e:
+        print(f"tpmap {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

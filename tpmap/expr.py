@@ -1,0 +1,120 @@
+"""A tiny, safe integer expression language for sizes in mapping files.
+
+Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
+
+    expr := INT | NAME | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr )
+
+* NAME is a config attribute (``num_key_value_heads``, ``n_embd``; aliases from the config's
+  ``attribute_map`` work) or one of the per-rank names ``tp_size`` and ``tp_rank``.
+* ``a // b`` must divide exactly; otherwise evaluation fails with a `DivisibilityError` that names
+  both numbers. A silently floored head count is the classic wrong-output bug, so there is none.
+* ``per_rank(n)`` is how many of ``n`` heads one rank holds under tpmap's head rule: ``n // tp_size``
+  when ``tp_size`` divides ``n``, else 1 when ``n`` divides ``tp_size`` (each head is replicated on
+  ``tp_size // n`` ranks, as vLLM does for KV heads), else an error.
+
+Example: ``per_rank(num_attention_heads) // per_rank(num_key_value_heads)`` is the number of query
+heads per KV head on one rank (Llama's ``num_key_value_groups``), also when KV heads are replicated.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Callable
+
+from .errors import DivisibilityError, TpmapError
+
+PER_RANK_NAMES = ("tp_size", "tp_rank")
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
+
+
+class ExpressionError(TpmapError):
+    """The text is not in the expression grammar."""
+
+
+def parse(text: str | int) -> ast.expr:
+    """Parse and check an expression; raises ExpressionError naming the offending part."""
+    if isinstance(text, bool):
+        raise ExpressionError(f"expected an integer expression, got the boolean {text!r}")
+    if isinstance(text, int):
+        return ast.Constant(text)
+    try:
+        tree = ast.parse(str(text), mode="eval").body
+    except SyntaxError as e:
+        raise ExpressionError(f"cannot parse expression {text!r}: {e.msg}") from None
+    _check(tree, str(text))
+    return tree
+
+
+def _check(node: ast.AST, text: str) -> None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return
+    if isinstance(node, ast.Name):
+        return
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        _check(node.left, text)
+        _check(node.right, text)
+        return
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "per_rank"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        _check(node.args[0], text)
+        return
+    part = ast.get_source_segment(text, node) or type(node).__name__
+    raise ExpressionError(
+        f"{part!r} is not allowed in expression {text!r}; "
+        "use integers, config attribute names, tp_size, tp_rank, + - * //, parentheses and per_rank(...)"
+    )
+
+
+def names(text: str | int) -> set[str]:
+    """The names an expression reads (config attributes and per-rank names)."""
+    return {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)}
+
+
+def per_rank(n: int, tp_size: int, what: str = "heads") -> int:
+    """Heads held by one rank: split when tp_size divides n, one replicated head when n divides tp_size."""
+    if n % tp_size == 0:
+        return n // tp_size
+    if tp_size % n == 0:
+        return 1
+    raise DivisibilityError(
+        f"{n} {what} cannot be spread over world size {tp_size}: neither divides the other. "
+        f"Use a world size that divides {n} or is a multiple of it."
+    )
+
+
+def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0) -> int:
+    """Evaluate with `lookup(name)` for config attributes (it raises for unknown names)."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id == "tp_size":
+                return tp_size
+            if node.id == "tp_rank":
+                return tp_rank
+            value = lookup(node.id)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ExpressionError(f"config attribute {node.id!r} is {value!r}, not an integer")
+            return value
+        if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
+            return per_rank(ev(node.args[0]), tp_size)
+        assert isinstance(node, ast.BinOp), ast.dump(node)
+        a, b = ev(node.left), ev(node.right)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0 or a % b:
+            raise DivisibilityError(
+                f"{ast.unparse(node)} = {a} // {b} does not divide exactly (world size {tp_size})"
+            )
+        return a // b
+
+    return ev(parse(text))
