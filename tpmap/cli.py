@@ -1,6 +1,6 @@
 """The `tpmap` command line: thin wrappers over the library.
 
-    tpmap verify [MODEL_TYPE ...] [--all] [--world-size N ...]   prove mappings on real ranks
+    tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
     tpmap plan MODEL_TYPE -n N [--rank R] [--default-config]     print the plan as a table
 """
 from __future__ import annotations
@@ -13,15 +13,16 @@ def _verify(args) -> int:
     from . import loader, verify
 
     shipped = list(loader.shipped_files())
-    model_types = shipped if args.all else args.model_types
-    if not model_types:
-        print("tpmap verify: name model types or pass --all", file=sys.stderr)
+    refs = shipped if args.all else args.model_types
+    if not refs:
+        print("tpmap verify: name model types or mapping files, or pass --all", file=sys.stderr)
         return 2
-    unknown = [m for m in model_types if m not in shipped]
+    unknown = [m for m in refs if m not in shipped and not m.endswith((".yaml", ".yml"))]
     if unknown:
-        print(f"tpmap verify: no mapping for {', '.join(unknown)}; supported: {', '.join(shipped)}", file=sys.stderr)
+        print(f"tpmap verify: no mapping for {', '.join(unknown)}; supported: {', '.join(shipped)} "
+              "(or give a path to a .yaml file)", file=sys.stderr)
         return 2
-    case_list = verify.cases(model_types, args.world_size)
+    case_list = verify.cases(refs, args.world_size)
     if not case_list:
         print("tpmap verify: no case matches those world sizes", file=sys.stderr)
         return 2
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks")
-    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE")
+    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml")
     p.add_argument("--all", action="store_true", help="every shipped mapping")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")

@@ -1,0 +1,161 @@
+"""Bad input: each mistake raises a specific ValueError subclass that names the file/module and the
+numbers, before anything is changed (the model is compared before and after)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpmap
+from tpmap import loader, verify
+from tpmap.errors import (
+    AlreadyAppliedError,
+    ConfigAttributeError,
+    DivisibilityError,
+    MappingErrors,
+    PatternMatchError,
+    ProcessGroupError,
+    TpmapError,
+    UnknownModelTypeError,
+)
+
+import rank_cases
+
+
+def shipped_text(model_type: str) -> str:
+    return loader.shipped_files()[model_type].read_text()
+
+
+def edited(model_type: str, old: str, new: str) -> str:
+    text = shipped_text(model_type)
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+def fails_cleanly(model_type: str, mapping_text: str | None, world_size: int, error: type, *needles: str):
+    """apply() in this process: the right error, the right words, and an untouched model."""
+    cls = verify.resolve(model_type).mapping.verify[0].models[0]
+    result = rank_cases.apply_error(model_type, cls, world_size, mapping_text)
+    assert result["error"] == error.__name__, result
+    for needle in needles:
+        assert needle in result["message"], f"{needle!r} not in: {result['message']}"
+    assert result["untouched"]
+    return result["message"]
+
+
+def test_all_errors_are_value_errors():
+    for cls in (TpmapError, MappingErrors, UnknownModelTypeError, PatternMatchError, ConfigAttributeError,
+                DivisibilityError, ProcessGroupError, AlreadyAppliedError):
+        assert issubclass(cls, ValueError)
+
+
+def test_world_size_that_does_not_divide_the_heads():
+    model = verify.build_model("gpt2", 0, "GPT2LMHeadModel")
+    with pytest.raises(DivisibilityError) as e:
+        tpmap.plan(model, 5)
+    msg = str(e.value)
+    assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 5" in msg and "transformer.h.0.attn.c_attn" in msg
+
+
+def test_world_size_that_does_not_divide_the_heads_on_real_ranks(ranks):
+    """llama's kv2 config at world size 3: 2 KV heads and 3 ranks, neither divides the other."""
+    result = ranks(3).run(rank_cases.apply_error, "llama", "LlamaForCausalLM", 3)
+    for r in result:
+        assert r["error"] == "DivisibilityError" and "2 heads" in r["message"] and "world size 3" in r["message"]
+        assert "llama.yaml:" in r["message"] and r["untouched"]
+
+
+def test_unknown_key_points_at_the_line():
+    text = edited("gpt2", "    combined_qkv: true", "    combined_qvk: true")
+    with pytest.raises(MappingErrors) as e:
+        loader.load_text(text, "mappings/gpt2.yaml")
+    line = text.splitlines().index("    combined_qvk: true") + 1
+    assert str(e.value).startswith(f"mappings/gpt2.yaml:{line}:5: unknown key 'combined_qvk'")
+    assert "did you mean combined_qkv?" in str(e.value)
+    fails_cleanly("gpt2", None, 1, type(None)) if False else None  # (loading fails before any model exists)
+
+
+def test_unknown_kind_lists_the_valid_kinds():
+    text = edited("llama", "  - kind: Row\n", "  - kind: Rwo\n")
+    with pytest.raises(MappingErrors) as e:
+        loader.load_text(text, "llama.yaml")
+    assert "unknown entry kind 'Rwo' (did you mean Row?); valid kinds: Column, Row, Update" in str(e.value)
+
+
+def test_pattern_that_matches_nothing():
+    text = edited("llama", "module: layers.*.mlp.up_proj", "module: layers.*.mlp.upproj")
+    msg = fails_cleanly("llama", text, 1, PatternMatchError, "matches no module", "layers.*.mlp.upproj",
+                        "did you mean layers.*.mlp.up_proj?")
+    assert msg.startswith("<test mapping>:")
+
+
+def test_parameter_matched_by_two_entries():
+    text = edited("llama", "module: layers.*.mlp.up_proj", "module: layers.*.mlp.gate_proj")
+    fails_cleanly("llama", text, 1, PatternMatchError, "model.layers.0.mlp.gate_proj.weight is already claimed by entry")
+
+
+def test_missing_config_attribute():
+    text = edited("llama", "heads: num_key_value_heads", "heads: num_kv_heads")
+    fails_cleanly("llama", text, 1, ConfigAttributeError, "LlamaConfig has no attribute 'num_kv_heads'",
+                  "did you mean num_key_value_heads?")
+
+
+def test_missing_module_attribute_in_update():
+    text = edited("gpt2", "      split_size: n_embd // tp_size", "      splitsize: n_embd // tp_size")
+    fails_cleanly("gpt2", text, 1, tpmap.ModuleKindError, "has no attribute 'splitsize'", "did you mean split_size?")
+
+
+def test_reverse_on_a_linear():
+    text = edited("llama", "    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true")
+    fails_cleanly("llama", text, 1, tpmap.ModuleKindError, "is an nn.Linear", "remove reverse: true")
+
+
+def test_fused_sections_that_do_not_sum():
+    text = edited("phi3", "    sections: 2", "    sections: [{size: intermediate_size}, {size: hidden_size}]")
+    fails_cleanly("phi3", text, 1, DivisibilityError, "sections sum to 288 (192 + 96)", "384 features")
+
+
+def test_world_size_above_one_without_a_process_group():
+    fails_cleanly("gpt2", None, 2, ProcessGroupError, "world_size=2", "init_process_group", "torchrun")
+
+
+def test_world_size_different_from_the_group(ranks):
+    for r in ranks(2).run(rank_cases.untouched_after_failed_apply_in_group, "gpt2", "GPT2LMHeadModel"):
+        assert r["error"] == "ProcessGroupError" and "world_size=3" in r["message"] and "2 ranks" in r["message"]
+        assert r["untouched"]
+
+
+def test_model_type_without_a_mapping_lists_the_supported_ones():
+    from transformers import AutoConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(AutoConfig.for_model("opt", hidden_size=16, num_attention_heads=2, ffn_dim=32,
+                                                num_hidden_layers=1, vocab_size=64, word_embed_proj_dim=16))
+    before = rank_cases.state_signature(model)
+    with pytest.raises(UnknownModelTypeError) as e:
+        tpmap.apply(model, 1)
+    for supported in loader.shipped_files():
+        assert supported in str(e.value)
+    assert "'opt'" in str(e.value) and rank_cases.same_signature(before, rank_cases.state_signature(model))
+
+
+def test_mapping_for_another_model_type():
+    fails_cleanly("gpt2", shipped_text("llama"), 1, tpmap.MappingError, "for model_type 'llama'", "'gpt2'")
+
+
+def test_applying_twice(ranks):
+    for r in ranks(2).run(rank_cases.apply_error, "gpt2", "GPT2LMHeadModel", 2, None, True):
+        assert r["error"] == "AlreadyAppliedError" and r["untouched"]
+
+
+def test_world_size_one_returns_the_model_unchanged():
+    model = verify.build_model("phi3", 0, "Phi3ForCausalLM")
+    before = rank_cases.state_signature(model)
+    assert tpmap.apply(model, 1) is model
+    assert rank_cases.same_signature(before, rank_cases.state_signature(model))
+    assert not any("Parallel" in type(m).__name__ for m in model.modules())
+
+
+def test_invalid_expression_is_rejected_at_load():
+    text = edited("gpt2", "split_size: n_embd // tp_size", "split_size: __import__('os').getcwd()")
+    with pytest.raises(MappingErrors) as e:
+        loader.load_text(text, "gpt2.yaml")
+    assert "is not allowed in expression" in str(e.value)

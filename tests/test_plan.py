@@ -1,0 +1,100 @@
+"""The plan is pure data computed from the mapping and the model's structure: checked here on
+meta-device models, without processes and without touching a tensor's values."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import tpmap
+from tpmap import cli, verify
+from tpmap.engine.shard import gather_order, take
+
+
+def meta_model(model_type: str, verify_index: int = 0, **overrides):
+    spec = verify.resolve(model_type).mapping.verify[verify_index]
+    config = transformers.AutoConfig.for_model(model_type, **{**spec.config, **overrides})
+    with torch.device("meta"):
+        return getattr(transformers, spec.models[0])(config)
+
+
+def test_gpt2_fused_qkv_conv1d_pieces():
+    plan = tpmap.plan(meta_model("gpt2"), 2)  # n_embd 96, 12 heads: each of q, k, v has 96 features
+    w = plan.params["transformer.h.0.attn.c_attn.weight"]
+    assert w.full_shape == (96, 288) and w.dim == 1  # Conv1D stores [in, out]: the out dim is 1
+    assert w.pieces[0] == ((0, 48), (96, 48), (192, 48))  # [q_0 | k_0 | v_0]
+    assert w.pieces[1] == ((48, 48), (144, 48), (240, 48))  # [q_1 | k_1 | v_1]
+    b = plan.params["transformer.h.0.attn.c_attn.bias"]
+    assert b.dim == 0 and b.pieces == w.pieces
+    proj = plan.params["transformer.h.0.attn.c_proj.weight"]
+    assert proj.dim == 0 and proj.pieces[1] == ((48, 48),)  # Row on [in, out]: the in dim is 0
+    assert plan.params["transformer.h.0.attn.c_proj.bias"].dim is None  # added once after the reduce
+    updates = {(u.module, u.attribute): u.values for u in plan.updates}
+    assert updates[("transformer.h.0.attn", "split_size")] == (48, 48)
+    assert updates[("transformer.h.0.attn", "num_heads")] == (6, 6)
+
+
+def test_llama_kv_heads_fewer_than_ranks_are_replicated():
+    plan = tpmap.plan(meta_model("llama"), 4)  # 12 q heads, 2 kv heads, head_dim 8
+    k = plan.params["model.layers.1.self_attn.k_proj.weight"]
+    assert k.replicated_heads
+    assert [k.pieces[r] for r in range(4)] == [((0, 8),), ((0, 8),), ((8, 8),), ((8, 8),)]  # head r // 2
+    q = plan.params["model.layers.1.self_attn.q_proj.weight"]
+    assert not q.replicated_heads and q.pieces[3] == ((72, 24),)
+    groups = {u.values for u in plan.updates if u.attribute == "num_key_value_groups"}
+    assert groups == {(3, 3, 3, 3)}  # 3 local q heads share 1 local kv head
+    assert {u.values for u in tpmap.plan(meta_model("llama"), 2).updates} == {(6, 6)}  # unchanged at ws 2
+
+
+def test_phi3_unequal_sections_and_config_update():
+    plan = tpmap.plan(meta_model("phi3"), 2)  # q 12 heads, k and v 4 heads each, head_dim 8
+    qkv = plan.params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.full_shape == (160, 96)
+    assert qkv.pieces[1] == ((48, 48), (112, 16), (144, 16))
+    gate_up = plan.params["model.layers.0.mlp.gate_up_proj.weight"]
+    assert gate_up.pieces[1] == ((96, 96), (288, 96))  # [gate_1 | up_1]
+    via_config = [u for u in plan.updates if u.via_config]
+    assert via_config and all(u.attribute == "config.num_attention_heads" and u.values == (6, 6) for u in via_config)
+
+
+def test_t5_relative_bias_embedding_split_by_heads():
+    plan = tpmap.plan(meta_model("t5"), 3)
+    bias = plan.params["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+    assert bias.dim == 1 and bias.full_shape == (16, 12) and bias.local_shape(2) == (16, 4)
+    assert "decoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight" not in plan.params
+
+
+def test_take_and_gather_order_roundtrip():
+    plan = tpmap.plan(meta_model("gpt2"), 3)
+    shard = plan.params["transformer.h.0.attn.c_attn.weight"]
+    full = torch.arange(96 * 288, dtype=torch.float32).reshape(96, 288)
+    parts = [take(full, shard, r) for r in range(3)]
+    assert all(p.shape == (96, 96) for p in parts)
+    cat = torch.cat(parts, dim=1)  # rank-major, as an all-gather returns it
+    assert torch.equal(cat.index_select(1, gather_order(shard)), full)
+
+
+def test_plan_reads_no_tensor_data():
+    """The plan of a meta model (no storage at all) equals the plan of a real model with weights."""
+    real = verify.build_model("gpt_neox", 0, "GPTNeoXForCausalLM")
+    assert tpmap.plan(real, 4).params == tpmap.plan(meta_model("gpt_neox"), 4).params
+
+
+def test_plan_cli_prints_table(capsys):
+    assert cli.main(["plan", "llama", "-n", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.k_proj.weight" in out and "r3:8:8" in out
+    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8
+    assert "12 heads cannot be split over world size 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "t5", "gpt_neox", "phi3"])
+def test_default_configs_plan_at_declared_world_sizes(model_type):
+    """The real-size default config of each model type plans at every world size its file declares."""
+    loaded = verify.resolve(model_type)
+    config = transformers.AutoConfig.for_model(model_type)
+    config.num_hidden_layers = 1  # structure per layer is what matters; keeps the meta build fast
+    with torch.device("meta"):
+        model = getattr(transformers, loaded.mapping.verify[0].models[0])(config)
+    for ws in loaded.mapping.world_sizes:
+        assert tpmap.plan(model, ws).tp_size == ws
