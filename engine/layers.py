@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torch.distributed as dist
+
+from . import rng
 from .collectives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 
 
@@ -47,7 +50,11 @@ class ColumnParallelLinear(_TPModule):
         y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias
-        return gather_from_tp_region(y, self.tp_group, self.gather_order) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_tp_region(y, self.tp_group, self.gather_order)
+        if self.training:  # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
+            rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device)
+        return y
 
     def extra_repr(self) -> str:
         return f"weight={tuple(self.weight.shape)}, reverse={self.reverse}, gather_output={self.gather_output}"
@@ -67,6 +74,7 @@ class RowParallelLinear(_TPModule):
         self.weight, self.bias, self.reverse = weight, bias, reverse
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
+        rng.leave_sharded_region()
         y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group)
         return y if self.bias is None else y + self.bias
 
@@ -92,4 +100,62 @@ class ColumnParallelEmbedding(_TPModule):
                            self.scale_grad_by_freq, self.sparse)
 
 
-TP_MODULES = (ColumnParallelLinear, RowParallelLinear, ColumnParallelEmbedding)
+class VocabParallelEmbedding(_TPModule):
+    """An nn.Embedding split along the vocabulary (Megatron's VocabParallelEmbedding).
+
+    Rank r holds rows [vocab_start, vocab_end) (zero-padded to the common local size). Ids outside
+    the range look up nothing (a zero row); the all-reduce sums the one rank that had each id.
+    E: (V, H) -> (V_pad/ws, H); ids (B, T) -> (B, T, H), replicated.
+    """
+
+    def __init__(self, weight, source: nn.Embedding, *, vocab_start: int, vocab_end: int, group):
+        super().__init__(group)
+        self.weight, self.vocab_start, self.vocab_end = weight, vocab_start, vocab_end
+        pad = source.padding_idx
+        self.padding_idx = pad - vocab_start if pad is not None and vocab_start <= pad < vocab_end else None
+        self.max_norm, self.norm_type = source.max_norm, source.norm_type
+        self.scale_grad_by_freq, self.sparse = source.scale_grad_by_freq, source.sparse
+        self.num_embeddings, self.embedding_dim = source.num_embeddings, source.embedding_dim
+        if self.max_norm is not None:
+            raise NotImplementedError("vocab-parallel nn.Embedding with max_norm (renormalises rows in place)")
+
+    def forward(self, ids):  # (B, T) -> (B, T, H)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self.padding_idx, None, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, local={tuple(self.weight.shape)}"
+
+
+class VocabParallelLMHead(_TPModule):
+    """The LM head split along the vocabulary: rank r computes logits for its rows, Z_r = H W_r^T + b_r.
+
+    By default the logits are all-gathered and cut to the real vocabulary, so padded logits never
+    reach outputs: (B, T, H) -> (B, T, V). With ``gather_output = False`` (loss_parallel) the output
+    stays (B, T, V_pad/ws) for `engine.loss.vocab_parallel_cross_entropy`, which masks the padding.
+    """
+
+    def __init__(self, weight, bias, *, vocab_start: int, vocab_end: int, vocab_size: int, group):
+        super().__init__(group)
+        self.weight, self.bias = weight, bias
+        self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
+        self.gather_output = True
+        self.in_features, self.out_features = weight.shape[1], vocab_size
+
+    def forward(self, x):  # (B, T, H) -> (B, T, V), or (B, T, V_pad/ws) local
+        logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        if not self.gather_output:
+            return logits
+        return gather_from_tp_region(logits, self.tp_group)[..., : self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return (f"rows [{self.vocab_start}, {self.vocab_end}) of {self.vocab_size}, local={tuple(self.weight.shape)}, "
+                f"gather_output={self.gather_output}")
+
+
+TP_MODULES = (ColumnParallelLinear, RowParallelLinear, ColumnParallelEmbedding, VocabParallelEmbedding,
+              VocabParallelLMHead)

@@ -46,12 +46,14 @@ class ParamShard:
     dim: int | None  # the split dim; None: every rank holds the whole tensor
     pieces: tuple[Pieces, ...] = ()  # per rank, ranges along dim
     replicated_heads: bool = False  # some ranges are held by more than one rank (KV heads < tp_size)
+    local_size: int | None = None  # padded length along dim on every rank (uneven vocabularies), else None
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights), re-pointed to the shard
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         if self.dim is None:
             return self.full_shape
         shape = list(self.full_shape)
-        shape[self.dim] = sum(n for _, n in self.pieces[rank])
+        shape[self.dim] = self.local_size or sum(n for _, n in self.pieces[rank])
         return tuple(shape)
 
     def indices(self, rank: int) -> list[int]:
@@ -64,11 +66,11 @@ class ModuleShard:
     """A module replaced by its parallel counterpart."""
 
     name: str  # full module name
-    style: str  # "column" | "row"
+    style: str  # "column" | "row" | "vocab_embedding" | "vocab_head"
     module_class: str
     reverse: bool
     gather_output: bool
-    entry: int  # index of the mapping entry (for messages)
+    entry: int  # index of the mapping entry (for messages); -1 for vocab_parallel
     weight: ParamShard
     bias: ParamShard | None
 
@@ -91,6 +93,11 @@ class Plan:
     modules: tuple[ModuleShard, ...]
     updates: tuple[AttributeUpdate, ...]
     source: str = ""  # mapping file
+    grad_allreduce: tuple[str, ...] = ()  # replicated parameters whose gradients are summed over ranks
+    vocab_size: int | None = None  # when vocab-parallel: the real (unpadded) vocabulary size
+
+    def module(self, name: str) -> ModuleShard:
+        return next(m for m in self.modules if m.name == name)
 
     @property
     def params(self) -> dict[str, ParamShard]:
@@ -116,11 +123,15 @@ class Plan:
                 pieces = " | ".join(
                     f"r{r}:" + ",".join(f"{s}:{n}" for s, n in p.pieces[r]) for r in ranks
                 )
+                if p.local_size:
+                    pieces += f" (padded to {p.local_size})"
                 rows.append((p.name, style, _shape(p.full_shape), str(p.dim), _shape(p.local_shape(0)), pieces))
         for u in self.updates:
             vals = sorted(set(u.values))
             rows.append((f"{u.module}.{u.attribute}", "update", str(u.full_value), "-",
                          ",".join(map(str, vals)), "per-config-copy" if u.via_config else ""))
+        for name in self.grad_allreduce:
+            rows.append((name, "replicated", "", "-", "", "gradient all-reduced"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -333,7 +344,85 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int) -> Plan:
             shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
                                       column and entry.gather_output, i, weight, bias))
     _check_ties(model, {p for m in shards for p in (m.weight.name, m.bias and m.bias.name) if p})
-    return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path)
+    vocab_size = None
+    if mapping.vocab_parallel is not None:
+        vocab_shards = _vocab_parallel(model, mapping.vocab_parallel, tp_size, owner, loaded)
+        shards.extend(vocab_shards)
+        vocab_size = vocab_shards[0].weight.full_shape[0] if vocab_shards else None
+    grad_allreduce = []
+    for pattern in mapping.grad_allreduce:
+        hits = match(pattern, names)
+        if not hits:
+            i = mapping.grad_allreduce.index(pattern)
+            raise PatternMatchError(f"{loaded.source.value(('grad_allreduce', i))}: grad_allreduce pattern {pattern!r} "
+                                    f"matches no module{_suggest(pattern, names)}")
+        for rel in hits:
+            for pname, _ in modules[rel].named_parameters():
+                full = f"{prefix}{rel}.{pname}"
+                if full in owner:
+                    raise PatternMatchError(f"{loaded.source.value(('grad_allreduce',))}: {full} is sharded by entry "
+                                            f"{owner[full]}; grad_allreduce is for parameters kept whole")
+                grad_allreduce.append(full)
+    return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path,
+                tuple(dict.fromkeys(grad_allreduce)), vocab_size)
+
+
+def vocab_pieces(vocab: int, tp_size: int) -> tuple[tuple[Pieces, ...], int]:
+    """Megatron's padded vocabulary split: every rank holds ceil(V/ws) rows, the last ones padded."""
+    per_rank = -(-vocab // tp_size)
+    pieces = []
+    for r in range(tp_size):
+        start = min(r * per_rank, vocab)
+        pieces.append(((start, min(per_rank, vocab - start)),))
+    return tuple(pieces), per_rank
+
+
+def _names_of(model: nn.Module) -> dict[int, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return by_id
+
+
+def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: LoadedMapping) -> list[ModuleShard]:
+    """ModuleShards for the input embedding (and every nn.Embedding sharing its weight) and the LM head."""
+    pos = loaded.source.value(("vocab_parallel",))
+    by_id = _names_of(model)
+    named = dict(model.named_modules())
+    emb = model.get_input_embeddings() if spec.embedding else None
+    head = model.get_output_embeddings() if spec.lm_head else None
+    if spec.embedding and not isinstance(emb, nn.Embedding):
+        raise ModuleKindError(f"{pos}: vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() is "
+                              f"{type(emb).__name__}, not an nn.Embedding; set embedding: false")
+    if head is not None and not isinstance(head, nn.Linear):
+        raise ModuleKindError(f"{pos}: vocab_parallel.lm_head: the output embedding is a {type(head).__name__}, "
+                              "not an nn.Linear; set lm_head: false")
+    vocab = emb.weight.shape[0] if emb is not None else (head.weight.shape[0] if head is not None else None)
+    if vocab is None:
+        return []
+    pieces, per_rank = vocab_pieces(vocab, tp_size)
+    shards = []
+
+    def shard_of(param, dim=0) -> ParamShard:
+        names = by_id[id(param)]
+        for n in names:
+            if n in owner:
+                raise PatternMatchError(f"{pos}: {n} is in the vocabulary split and also claimed by entry {owner[n]}")
+        return ParamShard(names[0], tuple(param.shape), dim, pieces, False, per_rank, tuple(names[1:]))
+
+    if emb is not None:
+        weight = shard_of(emb.weight)
+        for name, module in named.items():
+            if isinstance(module, nn.Embedding) and module.weight is emb.weight:
+                shards.append(ModuleShard(name, "vocab_embedding", type(module).__name__, False, False, -1, weight, None))
+    if head is not None:
+        if head.weight.shape[0] != vocab:
+            raise DivisibilityError(f"{pos}: the LM head has {head.weight.shape[0]} rows but the embedding {vocab}")
+        name = next(n for n, m in named.items() if m is head)
+        weight = shard_of(head.weight)
+        bias = shard_of(head.bias) if head.bias is not None else None
+        shards.append(ModuleShard(name, "vocab_head", type(head).__name__, False, True, -1, weight, bias))
+    return shards
 
 
 def _updates(module, full, entry: Update, ctx: _Ctx, config, seen) -> list[AttributeUpdate]:

@@ -3,11 +3,13 @@
     import tpmap
     model = tpmap.apply(model, world_size)      # under torchrun, after init_process_group
 """
-from .api import apply, load_mapping, plan
+from .api import apply, full_state_dict, load_mapping, plan, vocab_parallel_cross_entropy
 from .errors import (
     AlreadyAppliedError,
     ConfigAttributeError,
     DivisibilityError,
+    InputMismatchError,
+    LossParallelError,
     MappingError,
     MappingErrors,
     ModuleKindError,
@@ -19,7 +21,8 @@ from .errors import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply", "plan", "load_mapping", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
+    "apply", "plan", "load_mapping", "full_state_dict", "vocab_parallel_cross_entropy", "InputMismatchError",
+    "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
     "AlreadyAppliedError",
 ]

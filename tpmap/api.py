@@ -6,7 +6,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
-from .errors import AlreadyAppliedError, MappingError, ProcessGroupError
+import torch
+
+from .errors import AlreadyAppliedError, InputMismatchError, LossParallelError, MappingError, ProcessGroupError
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
 
@@ -61,11 +63,20 @@ def resolve_group(world_size: int | None, group) -> tuple[int, int]:
     return world_size, dist.get_rank(group)
 
 
-def apply(model: nn.Module, world_size: int | None = None, *, group=None, mapping=None) -> nn.Module:
+def apply(model: nn.Module, world_size: int | None = None, *, group=None, mapping=None,
+          loss_parallel: bool = False, check_inputs: bool = True) -> nn.Module:
     """Shard `model` in place for tensor parallelism and return it.
 
     Every check happens before the model is touched, so an error leaves it exactly as it was.
     world_size 1 validates the mapping and returns the model unchanged.
+
+    * ``loss_parallel``: keep the LM head's logits split along the vocabulary and compute the
+      cross-entropy on the shards (needs ``vocab_parallel.lm_head`` in the mapping). A transformers
+      causal-LM or masked-LM loss (``labels=...``) is computed that way; a model that computes its loss
+      otherwise raises instead of returning a wrong loss. ``outputs.logits`` are then this rank's shard.
+    * ``check_inputs``: every forward first compares a fingerprint of input_ids / decoder_input_ids /
+      attention_mask / labels across ranks (one tiny all-gather) and raises `InputMismatchError` if
+      they differ, instead of hanging or computing garbage.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -80,11 +91,113 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     loaded = load_mapping(model, mapping)
     tp_size, tp_rank = resolve_group(world_size, group)
     plan = planning.build(model, loaded, tp_size)
+    head = next((m for m in plan.modules if m.style == "vocab_head"), None)
+    if loss_parallel and head is None:
+        raise LossParallelError(
+            f"loss_parallel needs an LM head split along the vocabulary, and {loaded.source.path} has no "
+            f"vocab_parallel with lm_head: true for {type(model).__name__}; add `vocab_parallel: {{lm_head: true}}` "
+            "to the mapping or drop loss_parallel"
+        )
     if tp_size == 1:
         return model
     shard.execute(model, plan, tp_rank, group)
     setattr(model, PLAN_ATTR, plan)
+    if loss_parallel:
+        _use_loss_parallel(model, model.get_submodule(head.name))
+    if check_inputs:
+        model.register_forward_pre_hook(_same_inputs_on_every_rank(group), with_kwargs=True)
     return model
+
+
+_CHECKED_INPUTS = ("input_ids", "decoder_input_ids", "attention_mask", "labels")
+
+
+def _fingerprint(values: dict) -> torch.Tensor:
+    """Six numbers per checked input: present, numel, first three dims, a position-weighted sum."""
+    row = []
+    for key in _CHECKED_INPUTS:
+        t = values.get(key)
+        if not isinstance(t, torch.Tensor):
+            row += [0.0] * 6
+            continue
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        dims = (list(t.shape[:3]) + [0, 0, 0])[:3]
+        row += [1.0, float(t.numel()), *map(float, dims), float((flat * weights).sum())]
+    return torch.tensor(row, dtype=torch.float64)
+
+
+def _same_inputs_on_every_rank(group):
+    def hook(module, args, kwargs):
+        values = dict(zip(("input_ids",), args)) | kwargs
+        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        mine = _fingerprint(values).to(device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
+        if bad:
+            raise InputMismatchError(
+                f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
+                f"{' / '.join(_CHECKED_INPUTS)} (shape or values). Every rank must call the model with the same "
+                "tensors: give all ranks the same batch (same data order and seed)."
+            )
+
+    return hook
+
+
+def _use_loss_parallel(model: nn.Module, head) -> None:
+    from tpmap.engine.loss import hf_loss_function
+
+    head.gather_output = False
+    head.loss_calls = 0
+    replacement = hf_loss_function(model.loss_function, head)
+    if replacement is not None:
+        model.loss_function = replacement
+    state = {}
+
+    def before(module, args, kwargs):
+        state["labels"] = kwargs.get("labels") is not None
+        state["calls"] = head.loss_calls
+
+    def after(module, args, kwargs, output):
+        if state.get("labels") and head.loss_calls == state["calls"]:
+            raise LossParallelError(
+                f"{type(model).__name__} computed its loss from labels without its loss_function, on vocabulary-"
+                "sharded logits: that loss would be wrong. With loss_parallel, call the model without labels and "
+                "use tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels)."
+            )
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+
+
+def vocab_parallel_cross_entropy(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of a loss_parallel model's vocabulary-sharded logits (no label shift)."""
+    from tpmap.engine.layers import VocabParallelLMHead
+    from tpmap.engine.loss import vocab_parallel_cross_entropy as ce
+
+    head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead) and not m.gather_output), None)
+    if head is None:
+        raise LossParallelError("the model has no vocabulary-sharded LM head: apply it with loss_parallel=True")
+    return ce(logits, labels, head.vocab_start, head.vocab_end, head.tp_group, ignore_index)
+
+
+def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a tensor-parallel model (a collective: call it on every rank).
+
+    Keys and shapes are those of the original model, so it saves as a standard checkpoint."""
+    from tpmap.engine.shard import full_tensor
+
+    plan = getattr(model, PLAN_ATTR, None)
+    state = model.state_dict()
+    if plan is None:
+        return state
+    shards = {}
+    for shard in plan.params.values():
+        for name in (shard.name, *shard.aliases):
+            shards[name] = shard
+    return {k: full_tensor(v, shards[k], group) if k in shards else v for k, v in state.items()}
 
 
 def plan(model: nn.Module, world_size: int, *, mapping=None):

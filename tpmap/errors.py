@@ -66,6 +66,14 @@ class ProcessGroupError(TpmapError):
     """No process group, or a process group whose size is not the world size."""
 
 
+class InputMismatchError(TpmapError):
+    """The ranks of a tensor-parallel model were given different inputs."""
+
+
+class LossParallelError(TpmapError):
+    """loss_parallel was asked for where it cannot be computed correctly."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 

@@ -175,6 +175,22 @@ class Verify(_Strict):
     world_sizes: list[StrictInt] = Field([1, 2, 4], description="world sizes `tpmap verify` runs")
 
 
+class VocabParallel(_Strict):
+    """Split the vocabulary of the input embedding and the LM head over the ranks (Megatron's
+    VocabParallelEmbedding and parallel LM head). Both are found through transformers' own API
+    (``get_input_embeddings()`` / ``get_output_embeddings()``), so no pattern is needed; every module
+    that shares the embedding's weight (tied heads, per-stack copies) shares the one sharded weight.
+    A vocabulary that the world size does not divide is padded; padded logits never reach outputs."""
+
+    embedding: StrictBool = Field(
+        True, description="rank r holds rows [r*V/ws, (r+1)*V/ws) of the input embedding: masked lookup + all-reduce"
+    )
+    lm_head: StrictBool = Field(
+        True, description="rank r computes the logits of its vocabulary rows; they are all-gathered (full logits "
+        "on every rank) unless tpmap.apply(..., loss_parallel=True) keeps them split for the loss"
+    )
+
+
 class Mapping(_Strict):
     """A whole mapping file."""
 
@@ -186,8 +202,16 @@ class Mapping(_Strict):
         [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage)"
     )
     entries: list[Entry] = Field(min_length=1, description="the TensorParallelismInfo entries")
+    vocab_parallel: VocabParallel | None = Field(
+        None, description="split the embedding and LM head along the vocabulary (omit to keep them replicated)"
+    )
+    grad_allreduce: list[Pattern] = Field(
+        [],
+        description="modules kept whole whose parameters see only this rank's shard of the activations (e.g. a "
+        "per-head q/k norm applied to local heads): their gradients are summed over the ranks in backward",
+    )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
 
-    _v_replicated = field_validator("replicated")(lambda v: [_check_pattern(p) for p in v])
+    _v_replicated = field_validator("replicated", "grad_allreduce")(lambda v: [_check_pattern(p) for p in v])

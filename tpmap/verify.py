@@ -100,14 +100,16 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     with torch.no_grad():
         got = main_output(sharded(**inputs))
     plan = getattr(sharded, "tpmap_plan", None)
-    bad_fraction = []
+    bad_fraction = []  # each split parameter holds 1/ws of the original (ceil(V/ws) rows when padded)
     if plan is not None:
-        local = dict(sharded.named_parameters())
+        local = dict(sharded.named_parameters(remove_duplicate=False))
         for shard in plan.params.values():
-            if shard.dim is not None and not shard.replicated_heads:
-                full_numel = torch.Size(shard.full_shape).numel()
-                if local[shard.name].numel() * ws != full_numel:
-                    bad_fraction.append(f"{shard.name}: {local[shard.name].numel()} x {ws} != {full_numel}")
+            if shard.dim is None or shard.replicated_heads:
+                continue
+            dim = shard.full_shape[shard.dim]
+            want = torch.Size(shard.full_shape).numel() // dim * (-(-dim // ws) if shard.local_size else dim // ws)
+            if local[shard.name].numel() != want or (not shard.local_size and dim % ws):
+                bad_fraction.append(f"{shard.name}: {local[shard.name].numel()} elements, expected {want}")
     return {
         "max_diff": (got - reference).abs().max().item() if got.shape == reference.shape else float("inf"),
         "scale": reference.abs().max().item(),
