@@ -32,7 +32,7 @@ def same_signature(a: dict, b: dict) -> bool:
 
 
 def apply_error(ref: str, class_name: str, world_size: int | None, mapping_text: str | None = None,
-                twice: bool = False) -> dict:
+                twice: bool = False, loss_parallel: bool = False) -> dict:
     """apply() that is expected to fail: the error type/message, and whether the model stayed as it was."""
     model = verify.build_model(ref, 0, class_name)
     mapping = None
@@ -43,7 +43,7 @@ def apply_error(ref: str, class_name: str, world_size: int | None, mapping_text:
         tpmap.apply(model, dist.get_world_size(), mapping=mapping)
     before = state_signature(model)
     try:
-        tpmap.apply(model, world_size, mapping=mapping)
+        tpmap.apply(model, world_size, mapping=mapping, loss_parallel=loss_parallel)
     except ValueError as e:
         return {"error": type(e).__name__, "message": str(e), "untouched": same_signature(before, state_signature(model))}
     return {"error": None, "message": "", "untouched": same_signature(before, state_signature(model))}
@@ -89,3 +89,238 @@ def gather_output_case() -> float:
         want = full.transformer.h[0].attn.c_attn(x)
         got = sharded.transformer.h[0].attn.c_attn(x)
     return (want - got).abs().max().item()
+
+
+# -- training and generation ---------------------------------------------------------------------
+def zero_dropout_(model: torch.nn.Module) -> None:
+    """Make train mode deterministic: every dropout probability (modules, attributes, configs) to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(module, key, 0.0)
+        config = getattr(module, "config", None)
+        for key in list(vars(config)) if config is not None else []:
+            if ("dropout" in key or "pdrop" in key) and isinstance(getattr(config, key), float):
+                setattr(config, key, 0.0)
+
+
+def loss_kwargs(model: torch.nn.Module, inputs: dict) -> tuple[dict, bool]:
+    """Inputs with transformers labels (causal-LM, masked-LM, seq2seq or classification loss) where the
+    model takes them; False when the loss has to be made from the output instead."""
+    inputs = dict(inputs)
+    name = type(model).__name__
+    if "SequenceClassification" in name:
+        inputs["labels"] = torch.arange(inputs["input_ids"].shape[0]) % model.config.num_labels
+        return inputs, True
+    if model.get_output_embeddings() is None:
+        return inputs, False
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["labels"] = inputs.pop("decoder_input_ids")
+    else:
+        inputs["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    return inputs, True
+
+
+def loss_of(model, inputs: dict, has_labels: bool) -> torch.Tensor:
+    out = model(**inputs)
+    if has_labels:
+        return out.loss
+    y = verify.main_output(out)
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
+    return (y * weights).sum() / y.numel()
+
+
+def _grad_report(full, sharded, rank: int) -> dict:
+    """Worst gradient difference, shards against the matching slice of the unsharded gradient.
+
+    Relative to max(max|g| of that parameter, 1e-2 x max|g| over all parameters): some gradients are
+    zero in exact arithmetic (a key bias shifts every score of a query equally, so softmax ignores
+    it) and are pure rounding noise in both models; relative to themselves they mean nothing.
+    """
+    from tpmap.engine.shard import take
+
+    plan = sharded.tpmap_plan
+    full_grads = {n: p.grad for n, p in full.named_parameters()}
+    global_max = max(g.abs().max().item() for g in full_grads.values() if g is not None)
+    worst, worst_name, checked = 0.0, "", 0
+    for name, p in sharded.named_parameters():
+        want = full_grads[name]
+        shard = plan.params.get(name)
+        if shard is not None and want is not None:
+            want = take(want, shard, rank)
+        got = p.grad
+        if want is None or got is None:
+            assert (want is None or not want.any()) and (got is None or not got.any()), name
+            continue
+        denom = max(want.abs().max().item(), 1e-2 * global_max)
+        rel = (got - want).abs().max().item() / denom
+        checked += 1
+        if rel > worst:
+            worst, worst_name = rel, name
+    return {"worst_rel": worst, "worst_name": worst_name, "checked": checked}
+
+
+def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
+              dtype: torch.dtype = torch.float32) -> dict:
+    """One forward/backward of a transformers loss: every local gradient equals the unsharded slice."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    full = verify.build_model(ref, verify_index, class_name).to(dtype)
+    inputs, has_labels = loss_kwargs(full, verify.example_inputs(full.config))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    loss_full = loss_of(full, inputs, has_labels)
+    loss_full.backward()
+    if checkpointing:  # HF checkpoints only in train mode: no dropout, so results stay comparable
+        zero_dropout_(sharded)
+        sharded.gradient_checkpointing_enable()
+        sharded.train()
+    loss_sharded = loss_of(sharded, inputs, has_labels)
+    loss_sharded.backward()
+    report = _grad_report(full, sharded, rank)
+    report["loss_diff"] = abs(loss_full.item() - loss_sharded.item())
+    report["loss"] = loss_full.item()
+    return report
+
+
+def adamw_case(ref: str, verify_index: int, class_name: str, steps: int = 3, init_std: float = 0.2,
+               dtype: torch.dtype = torch.float64) -> dict:
+    """`steps` AdamW steps on both models: the gathered sharded parameters equal the unsharded ones.
+
+    In float64 by default: AdamW divides each gradient element by its own magnitude, so in fp32 the
+    rounding noise of near-zero elements (~1e-7) becomes a parameter difference of ~1e-4 after one
+    step in *any* reordering of the sums; in fp64 the same comparison is exact to ~1e-12."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, verify_index, class_name, init_std=init_std).to(dtype)
+    inputs, has_labels = loss_kwargs(full, verify.example_inputs(full.config))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    losses = []
+    for model in (full, sharded):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = loss_of(model, inputs, has_labels)
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    gathered = tpmap.full_state_dict(sharded)
+    want = full.state_dict()
+    assert gathered.keys() == want.keys()
+    diffs = {k: (gathered[k] - want[k]).abs().max().item() for k in want if want[k].is_floating_point()}
+    worst = max(diffs, key=diffs.get)
+    shapes_ok = all(gathered[k].shape == want[k].shape for k in want)
+    return {"worst_abs": diffs[worst], "worst_name": worst, "shapes_ok": shapes_ok,
+            "loss_diff": abs(losses[0] - losses[1]), "moved": max((want[k] - verify.build_model(
+                ref, verify_index, class_name, init_std=init_std).to(dtype).state_dict()[k]).abs().max().item()
+                                                                   for k in diffs)}
+
+
+def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
+    """Train mode with dropout: replicated outputs identical on every rank; checkpointing replays masks."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, verify_index, class_name)
+    inputs = verify.example_inputs(full.config)
+    results = {}
+    grads = []
+    for checkpointing in (False, True):
+        model = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        torch.manual_seed(1234)  # the same seed on every rank, as a training script sets it
+        out = verify.main_output(model(**inputs))
+        everyone = [torch.empty_like(out) for _ in range(ws)]
+        dist.all_gather(everyone, out.detach().contiguous())
+        results[f"ranks_agree_{checkpointing}"] = all(torch.equal(everyone[0], o) for o in everyone)
+        (out.float() ** 2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            eval_out = verify.main_output(model.eval()(**inputs))
+        results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(out, eval_out)
+    results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    return results
+
+
+def rng_region_case() -> dict:
+    """The sharded-region generator differs per rank; the default stream stays in step across ranks."""
+    from tpmap.engine import rng
+
+    torch.manual_seed(5)
+    before = torch.rand(4)
+    rng.enter_sharded_region(dist.get_rank(), torch.device("cpu"))
+    inside = torch.rand(4)
+    rng.leave_sharded_region()
+    after = torch.rand(4)
+    gathered = {}
+    for key, t in (("before", before), ("inside", inside), ("after", after)):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        gathered[key] = len({tuple(p.tolist()) for p in parts})
+    return gathered
+
+
+def generate_case(ref: str, verify_index: int, class_name: str, cache: str | None = None,
+                  new_tokens: int = 20) -> dict:
+    """Greedy generate, batch 2 left-padded: the same tokens as the unsharded model on every rank."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, verify_index, class_name)
+    cfg = full.config
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    if not getattr(cfg, "is_encoder_decoder", False):
+        ids[1, :3] = 0  # left padding
+        mask[1, :3] = 0
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                  attention_mask=mask)
+    if cache is not None:
+        kwargs["cache_implementation"] = cache
+    want = full.generate(ids, **kwargs)
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    got = sharded.generate(ids, **kwargs)
+    everyone = [torch.empty_like(got) for _ in range(ws)]
+    dist.all_gather(everyone, got.contiguous())
+    return {"same_as_full": torch.equal(want, got), "ranks_agree": all(torch.equal(got, o) for o in everyone),
+            "new_tokens": got.shape[1] - (0 if getattr(cfg, "is_encoder_decoder", False) else ids.shape[1]),
+            "tokens": got[:, -5:].tolist()}
+
+
+def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
+    """loss_parallel: the loss on vocabulary-sharded logits equals the unsharded loss, and so do grads.
+
+    Through ``labels=`` when the model routes its loss through transformers' loss_function; otherwise
+    the model must refuse labels, and tpmap.vocab_parallel_cross_entropy on its logits gives the loss."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    full = verify.build_model(ref, verify_index, class_name)
+    inputs, _ = loss_kwargs(full, verify.example_inputs(full.config))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=True)
+    out_full = full(**inputs)
+    out_full.loss.backward()
+    try:
+        out = sharded(**inputs)
+        loss, path, logits = out.loss, "labels", out.logits
+    except tpmap.LossParallelError as e:
+        labels = inputs.pop("labels")
+        if getattr(full.config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = full.prepare_decoder_input_ids_from_labels(labels=labels)
+        logits = sharded(**inputs).logits
+        loss, path = tpmap.vocab_parallel_cross_entropy(sharded, logits, labels), f"explicit ({e.__class__.__name__})"
+    loss.backward()
+    return {"path": path, "loss_diff": abs(loss.item() - out_full.loss.item()), "loss": out_full.loss.item(),
+            "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size, **_grad_report(full, sharded, rank)}
+
+
+def mismatched_inputs_case(ref: str, class_name: str) -> dict:
+    """Rank 1 gets other input ids: every rank raises InputMismatchError, none hangs."""
+    ws = dist.get_world_size()
+    model = tpmap.apply(verify.build_model(ref, 0, class_name), ws)
+    inputs = verify.example_inputs(model.config)
+    if dist.get_rank() == 1:
+        inputs["input_ids"] = inputs["input_ids"].flip(0)
+    try:
+        model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+    except tpmap.InputMismatchError as e:
+        return {"error": "InputMismatchError", "message": str(e)}
+    return {"error": None, "message": ""}

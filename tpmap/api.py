@@ -153,22 +153,26 @@ def _use_loss_parallel(model: nn.Module, head) -> None:
     replacement = hf_loss_function(model.loss_function, head)
     if replacement is not None:
         model.loss_function = replacement
-    state = {}
+    forward = model.forward
+    message = (f"{type(model).__name__} computes its loss from labels without its loss_function, on vocabulary-"
+               "sharded logits, so that loss would be wrong. With loss_parallel, call the model without labels and "
+               "use tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels).")
 
-    def before(module, args, kwargs):
-        state["labels"] = kwargs.get("labels") is not None
-        state["calls"] = head.loss_calls
+    def forward_with_loss_check(*args, **kwargs):
+        # labels given but the loss not computed by our loss_function: refuse rather than return a wrong loss
+        calls = head.loss_calls
+        with_labels = kwargs.get("labels") is not None
+        try:
+            out = forward(*args, **kwargs)
+        except Exception as e:
+            if with_labels and head.loss_calls == calls:
+                raise LossParallelError(message) from e
+            raise
+        if with_labels and head.loss_calls == calls:
+            raise LossParallelError(message)
+        return out
 
-    def after(module, args, kwargs, output):
-        if state.get("labels") and head.loss_calls == state["calls"]:
-            raise LossParallelError(
-                f"{type(model).__name__} computed its loss from labels without its loss_function, on vocabulary-"
-                "sharded logits: that loss would be wrong. With loss_parallel, call the model without labels and "
-                "use tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels)."
-            )
-
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True)
+    model.forward = forward_with_loss_check
 
 
 def vocab_parallel_cross_entropy(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor,

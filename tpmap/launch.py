@@ -93,11 +93,14 @@ class RankPool:
                 pass
         deadline = time.monotonic() + 5
         for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
         self._kill()
 
     def _kill(self) -> None:
         for p in self._procs:
+            if p.pid is None:  # never started
+                continue
             if p.is_alive():
                 p.kill()
             p.join(5)

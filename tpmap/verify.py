@@ -38,7 +38,7 @@ def tiny_config(ref: str, verify_index: int = 0):
     return AutoConfig.for_model(mapping.model_type, **mapping.verify[verify_index].config)
 
 
-def build_model(ref: str, verify_index: int, class_name: str, seed: int = 0):
+def build_model(ref: str, verify_index: int, class_name: str, seed: int = 0, init_std: float = INIT_STD):
     """The tiny model, identical on every rank: fixed seed, large init, eval mode, fp32."""
     import transformers
 
@@ -46,16 +46,16 @@ def build_model(ref: str, verify_index: int, class_name: str, seed: int = 0):
     cls = getattr(transformers, class_name)
     torch.manual_seed(seed)
     model = cls(config)
-    large_init_(model, seed)
+    large_init_(model, seed, init_std)
     return model.eval()
 
 
 @torch.no_grad()
-def large_init_(model: torch.nn.Module, seed: int) -> None:
-    """Re-draw every parameter: matrices and biases ~ N(0, INIT_STD^2), 1-D weights (norms) ~ 1 + N(0, INIT_STD^2)."""
+def large_init_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> None:
+    """Re-draw every parameter: matrices and biases ~ N(0, std^2), 1-D weights (norms) ~ 1 + N(0, std^2)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * INIT_STD
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
         base = 1.0 if (p.dim() == 1 and name.endswith("weight")) else 0.0
         p.copy_(noise + base)
 
