@@ -70,8 +70,10 @@ def _check(node: ast.AST, text: str) -> None:
 
 
 def names(text: str | int) -> set[str]:
-    """The names an expression reads (config attributes and per-rank names)."""
-    return {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)}
+    """The names an expression reads (config attributes and per-rank names; not the function per_rank)."""
+    tree = parse(text)
+    functions = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in functions}
 
 
 def per_rank(n: int, tp_size: int, what: str = "heads") -> int:
