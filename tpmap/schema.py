@@ -191,3 +191,10 @@ class Mapping(_Strict):
     )
 
     _v_replicated = field_validator("replicated")(lambda v: [_check_pattern(p) for p in v])
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a mapping file, generated from `Mapping` (what `tpmap schema` prints and
+    ``tpmap/mapping.schema.json``, referenced by the shipped YAML files, holds)."""
+    schema = Mapping.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "tpmap mapping file"}

@@ -1,0 +1,366 @@
+"""Structural rules: a loaded mapping against the real model, built on the meta device.
+
+Which models are built (all on the meta device: shapes only, no weights, no process group):
+
+* the model type's *default* config, with every layer count reduced to 2 (checks are per block, and
+  block structure and sizes do not depend on the number of blocks), once per model class the file's
+  ``verify`` section names, at world size 1 (structure), then with the first class at every world size
+  the file declares in ``world_sizes`` (divisibility, reported per world size);
+* every embedded tiny ``verify`` config with its first class, at world size 1 and at its own
+  ``world_sizes`` (what `tpmap verify` will run).
+
+The per-entry checks are `engine.plan.build` in collecting mode -- the same code `tpmap.apply` runs --
+so the linter and `apply` cannot disagree. Coverage and pairing are lint-only rules (below).
+A problem found once is not repeated: a later model or world size only adds problems at a new
+(place, rule), and world-size problems name the world size.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Iterable
+
+from ..errors import Position, TpmapError
+from ..loader import LoadedMapping
+from ..schema import Column, Row
+from . import Diagnostic
+
+_LAYER_KEY = re.compile(r"layers")
+
+
+# -- building models -------------------------------------------------------------------------------
+def reduced_default_config(model_type: str):
+    """The default config of `model_type` with every layer count (`num_hidden_layers` through the
+    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    overrides = {k: 2 for k, v in config.to_dict().items()
+                 if _LAYER_KEY.search(k) and type(v) is int and v > 2}
+    if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
+        overrides["num_hidden_layers"] = 2
+    return AutoConfig.for_model(model_type, **overrides) if overrides else config
+
+
+def config_keys(config) -> set[str]:
+    """Names a config accepts: its attributes, its attribute_map aliases and its __init__ parameters."""
+    keys = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    for cls in type(config).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            keys |= {n for n, p in inspect.signature(init).parameters.items()
+                     if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return keys
+
+
+def build_meta(cls, config):
+    import torch
+
+    with torch.device("meta"):  # shapes only: no memory, no weights read, nothing initialised
+        return cls(config)
+
+
+# -- blocks ----------------------------------------------------------------------------------------
+def block_prefixes(base) -> list[str]:
+    """The repeated blocks: the elements of the outermost nn.ModuleLists of the base model
+    (``h.0``, ``layers.3``, ``encoder.block.1``, ``encoder.layer.0``). A ModuleList inside a block
+    (T5's ``block.0.layer``, experts) belongs to that block."""
+    from torch import nn
+
+    lists: list[str] = []
+    for name, module in base.named_modules():
+        if isinstance(module, nn.ModuleList) and name and not any(name.startswith(p + ".") for p in lists):
+            lists.append(name)
+    return [f"{ln}.{child}" for ln in lists for child, _ in base.get_submodule(ln).named_children()]
+
+
+def block_of(name: str, blocks: list[str]) -> str | None:
+    for b in blocks:
+        if name == b or name.startswith(b + "."):
+            return b
+    return None
+
+
+def generic(name: str) -> str:
+    """A module name with its block indices as '*' (h.3.attn.c_attn -> h.*.attn.c_attn)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+# -- the lint-only rules ---------------------------------------------------------------------------
+def _covered_kinds() -> tuple:
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, nn.Embedding, Conv1D)
+
+
+class _Matches:
+    """What each entry and replicated pattern of a mapping matches in one base model."""
+
+    def __init__(self, loaded: LoadedMapping, names: list[str]):
+        from tpmap.engine.plan import match
+
+        self.entries = [match(e.module, names) for e in loaded.mapping.entries]
+        self.replicated = [match(p, names) for p in loaded.mapping.replicated]
+
+
+def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+    """Every nn.Linear, Conv1D and nn.Embedding inside a block is sharded by a Column/Row entry or kept
+    whole on purpose by a `replicated` pattern that matches it or one of its parents (strict mode)."""
+    mapping = loaded.mapping
+    sharded = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, (Column, Row)) for n in ns}
+    kept = {n for ns in m.replicated for n in ns}
+    kinds = _covered_kinds()
+    out, seen = [], set()
+    for name, module in modules.items():
+        if not isinstance(module, kinds) or block_of(name, blocks) is None or name in sharded:
+            continue
+        parts = name.split(".")
+        if any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1)):
+            continue
+        g = generic(name)
+        if g in seen:
+            continue
+        seen.add(g)
+        out.append(Diagnostic.at(
+            loaded.source.key(("entries",)), "coverage",
+            f"{type(module).__name__} {g} is inside the repeated blocks but no entry shards it; add a Column or "
+            f"Row entry for it, or list it under replicated: to keep it whole on every rank"))
+    return out
+
+
+def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
+    """No replicated pattern keeps whole (a parent of) a module that an entry shards."""
+    mapping = loaded.mapping
+    out = []
+    for k, (pattern, matched) in enumerate(zip(mapping.replicated, m.replicated)):
+        kept = set(matched)
+        for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
+            if not isinstance(entry, (Column, Row)):
+                continue
+            clash = next((n for n in ns if any(n == r or n.startswith(r + ".") for r in kept)), None)
+            if clash is not None:
+                out.append(Diagnostic.at(loaded.source.value(("replicated", k)), "double-match",
+                                         f"replicated pattern {pattern!r} keeps {clash} whole, but entry {i} "
+                                         f"({entry.kind} {entry.module!r}, line "
+                                         f"{loaded.source.value(('entries', i, 'module')).line}) shards it; "
+                                         "remove one of them"))
+                break
+    return out
+
+
+def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str], model_names: list[str],
+                         prefix: str) -> list[Diagnostic]:
+    """A replicated pattern must match a module in at least one of the models built (a pooler, say,
+    exists in some classes only)."""
+    from tpmap.engine.plan import _suggest
+
+    return [
+        Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
+                      f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
+                      f"to the base model{' ' + prefix[:-1] if prefix else ''}){_suggest(pattern, names)}")
+        for k, pattern in enumerate(loaded.mapping.replicated) if k not in hit
+    ]
+
+
+def pairing(loaded: LoadedMapping, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+    """Column -> Row pairing, per block.
+
+    Definition: the *scope* of a module is the repeated block it lives in (``h.0``), or "outside the
+    blocks". A Column without gather_output leaves its output split, so its scope must hold a Row
+    (the module that takes split input and all-reduces); a Row takes split input, so its scope must
+    hold a Column without gather_output. Limits: the rule sees scopes, not data flow -- a Column
+    whose split output reaches the wrong Row of the same block passes here and fails `tpmap verify`.
+    """
+    mapping = loaded.mapping
+    rows: dict[str | None, int] = {}
+    cols: dict[str | None, int] = {}
+    for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
+        for n in ns:
+            scope = block_of(n, blocks)
+            if isinstance(entry, Row):
+                rows.setdefault(scope, i)
+            elif isinstance(entry, Column) and not entry.gather_output:
+                cols.setdefault(scope, i)
+    out = []
+    for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
+        if not isinstance(entry, (Column, Row)) or (isinstance(entry, Column) and entry.gather_output):
+            continue
+        other = rows if isinstance(entry, Column) else cols
+        missing = next((n for n in ns if block_of(n, blocks) not in other), None)
+        if missing is None:
+            continue
+        scope = block_of(missing, blocks)
+        where = f"its block {scope}" if scope else "the modules outside the repeated blocks"
+        if isinstance(entry, Column):
+            msg = (f"Column {missing} leaves its output split, but {where} has no Row entry to take it; add the "
+                   "Row that consumes it, or set gather_output: true")
+        else:
+            msg = (f"Row {missing} expects its input split by a Column, but {where} has no Column entry "
+                   "(without gather_output); add the Column that feeds it, or remove this Row")
+        out.append(Diagnostic.at(loaded.source.value(("entries", i, "module")), "pairing", msg))
+    return out
+
+
+# -- the whole file --------------------------------------------------------------------------------
+class _Report:
+    """Collects diagnostics; a later model or world size adds only problems at a new (place, rule)."""
+
+    def __init__(self):
+        self.items: list[Diagnostic] = []
+        self.places: set[tuple] = set()
+
+    def add(self, d: Diagnostic, label: str = "") -> None:
+        key = (d.path, d.line, d.col, d.rule)
+        if key in self.places:
+            return
+        self.places.add(key)
+        self.items.append(Diagnostic(d.path, d.line, d.col, d.rule, label + d.message) if label else d)
+
+    def add_errors(self, errors: Iterable[TpmapError], label: str = "") -> None:
+        for e in errors:
+            self.add(Diagnostic.from_error(e), label)
+
+
+def structural(loaded: LoadedMapping) -> list[Diagnostic]:
+    """Every problem of a mapping that passed the schema, found against the real model classes."""
+    import transformers
+
+    from tpmap.engine import plan as planning
+
+    mapping, src = loaded.mapping, loaded.source
+    report = _Report()
+    try:
+        default = reduced_default_config(mapping.model_type)
+    except ValueError as e:  # AutoConfig's "Unrecognized model identifier"
+        from transformers import CONFIG_MAPPING
+
+        from ..errors import did_you_mean
+
+        report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
+                                 f"{mapping.model_type!r} is not a model_type of transformers "
+                                 f"{transformers.__version__}{did_you_mean(mapping.model_type, CONFIG_MAPPING)} "
+                                 f"({type(e).__name__})"))
+        return report.items
+
+    # the verify section: known classes of this model type, known config keys
+    classes: list[list] = []  # per verify spec: the classes that resolved
+    valid_keys = config_keys(default)
+    for v, spec in enumerate(mapping.verify):
+        found = []
+        for j, name in enumerate(spec.models):
+            cls = getattr(transformers, name, None) if name.isidentifier() else None
+            pos = src.value(("verify", v, "models", j))
+            config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+            if cls is None or not isinstance(cls, type) or not hasattr(cls, "base_model_prefix"):
+                report.add(Diagnostic.at(pos, "unknown-model-class",
+                                         f"{name!r} is not a transformers model class; use a class name such as "
+                                         f"{_example_class(type(default))}"))
+            elif config_type != mapping.model_type:
+                report.add(Diagnostic.at(pos, "unknown-model-class",
+                                         f"{name} is a model class for model_type {config_type!r}, not "
+                                         f"{mapping.model_type!r}"))
+            else:
+                found.append(cls)
+        classes.append(found)
+        for key in spec.config:
+            if key not in valid_keys and not any(_reads(c, key) for c in found):
+                from ..errors import did_you_mean
+
+                report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
+                                         f"{type(default).__name__} has no attribute {key!r}"
+                                         f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
+    report.add_errors(planning.check_expressions(default, loaded))
+
+    replicated_hit: set[int] = set()
+    models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
+
+    def check(model, tp_size: int, label: str = "", structure: bool = True) -> None:
+        errors: list[TpmapError] = []
+        planning.build(model, loaded, tp_size, errors)
+        report.add_errors(errors, label)
+        if not structure:
+            return
+        base, prefix = planning.base_prefix(model)
+        modules = dict(base.named_modules())
+        names = [n for n in modules if n]
+        blocks = block_prefixes(base)
+        m = _Matches(loaded, names)
+        replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
+        models.append((type(model).__name__, names, prefix))
+        for d in replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m) + pairing(loaded, blocks, m):
+            report.add(d, label)
+
+    def built(cls, config, v: int | None):
+        try:
+            return build_meta(cls, config)
+        except Exception as e:  # any failure of a transformers constructor: reported, never swallowed
+            which = "the default config" if v is None else f"the verify config {mapping.verify[v].name!r}"
+            pos = src.value(("model_type",)) if v is None else src.value(("verify", v, "config"))
+            report.add(Diagnostic.at(pos, "model-build", f"building {cls.__name__} from {which} failed: "
+                                                         f"{type(e).__name__}: {e}"))
+            return None
+
+    # the default config: structure with every class, then each declared world size
+    first = None
+    for cls in dict.fromkeys(c for found in classes for c in found):
+        model = built(cls, default, None)
+        if model is None:
+            continue
+        check(model, 1)
+        first = first or model
+    if first is not None:
+        for ws in mapping.world_sizes:
+            if ws != 1:
+                check(first, ws, f"world size {ws}: ", structure=False)
+
+    # the embedded tiny configs, as `tpmap verify` will run them
+    for v, (spec, found) in enumerate(zip(mapping.verify, classes)):
+        if not found:
+            continue
+        try:
+            config = transformers.AutoConfig.for_model(mapping.model_type, **spec.config)
+        except Exception as e:  # a config __init__ rejecting values: reported at the config
+            report.add(Diagnostic.at(src.value(("verify", v, "config")), "model-build",
+                                     f"the verify config {spec.name!r} is rejected: {type(e).__name__}: {e}"))
+            continue
+        model = built(found[0], config, v)
+        if model is None:
+            continue
+        check(model, 1, f"verify {spec.name!r}: ")
+        for ws in spec.world_sizes:
+            if ws != 1:
+                check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
+    if models:
+        for d in replicated_unmatched(loaded, replicated_hit, models[0][1],
+                                      list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
+            report.add(d)
+    return report.items
+
+
+def _reads(cls, name: str) -> bool:
+    """Whether the modeling source of `cls` names `name` (configs need not declare every attribute their
+    model reads, e.g. a `config.decoder_start_token_id` read by a seq2seq model)."""
+    import sys
+
+    source = _source(sys.modules[cls.__module__])
+    return re.search(rf"\b{re.escape(name)}\b", source) is not None
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def _source(module) -> str:
+    if module.__name__ not in _SOURCES:
+        _SOURCES[module.__name__] = inspect.getsource(module)
+    return _SOURCES[module.__name__]
+
+
+def _example_class(config_cls) -> str:
+    import transformers
+
+    stem = config_cls.__name__.removesuffix("Config")
+    for suffix in ("ForCausalLM", "Model", "ForMaskedLM"):
+        if hasattr(transformers, stem + suffix):
+            return stem + suffix
+    return stem + "Model"
