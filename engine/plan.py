@@ -459,7 +459,9 @@ def _check_ties(model: nn.Module, sharded: set[str], owner: dict[str, int], load
             entry = next(owner[n] for n in names if n in owner)
             position = loaded.source.value(("entries", entry, "module"))
             err = PatternMatchError(message)
-            err.position, err.rule, err.message = position, "tied-parameter", f"entry {entry}: {message}"
+            e = loaded.mapping.entries[entry]
+            text = f"entry {entry} ({e.kind} {e.module!r}): {message}"
+            err.position, err.rule, err.message = position, "tied-parameter", text
             if errors is None:
                 raise err
             errors.append(err)

@@ -124,7 +124,7 @@ def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matche
         seen.add(g)
         out.append(Diagnostic.at(
             loaded.source.key(("entries",)), "coverage",
-            f"{type(module).__name__} {g} is inside the repeated blocks but no entry shards it; add a Column or "
+            f"{_kind(module)} {g} is inside the repeated blocks but no entry shards it; add a Column or "
             f"Row entry for it, or list it under replicated: to keep it whole on every rank"))
     return out
 
@@ -163,42 +163,65 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str],
     ]
 
 
-def pairing(loaded: LoadedMapping, blocks: list[str], m: _Matches) -> list[Diagnostic]:
-    """Column -> Row pairing, per block.
+def _kind(module) -> str:
+    cls = type(module)
+    return ("nn." if cls.__module__.startswith("torch.nn") else "") + cls.__name__
 
-    Definition: the *scope* of a module is the repeated block it lives in (``h.0``), or "outside the
-    blocks". A Column without gather_output leaves its output split, so its scope must hold a Row
-    (the module that takes split input and all-reduces); a Row takes split input, so its scope must
-    hold a Column without gather_output. Limits: the rule sees scopes, not data flow -- a Column
-    whose split output reaches the wrong Row of the same block passes here and fails `tpmap verify`.
+
+def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+    """Column -> Row pairing, by the nearest weights around each sharded module.
+
+    Definition: the *weights* are the nn.Linear, Conv1D and nn.Embedding modules. For a Column
+    without gather_output, walk up its parents (within its repeated block; for a module outside the
+    blocks, up to the base model without the blocks) to the first one that holds other weights than
+    such Columns: one of those must be a Row, the module that takes split input and all-reduces. So
+    ``mlp.c_fc`` pairs with ``mlp.c_proj``; BERT's ``intermediate.dense`` pairs with the layer's
+    ``output.dense``. Symmetrically, a Row's nearest other weights must include such a Column.
+    Limits: the rule sees the module tree, not the data flow: a split output that reaches the wrong
+    Row of the same scope passes here and fails `tpmap verify`.
     """
     mapping = loaded.mapping
-    rows: dict[str | None, int] = {}
-    cols: dict[str | None, int] = {}
-    for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
-        for n in ns:
-            scope = block_of(n, blocks)
-            if isinstance(entry, Row):
-                rows.setdefault(scope, i)
-            elif isinstance(entry, Column) and not entry.gather_output:
-                cols.setdefault(scope, i)
+    kinds = _covered_kinds()
+    weights = [n for n, mod in modules.items() if n and isinstance(mod, kinds)]
+    rows = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, Row) for n in ns}
+    cols = {n for e, ns in zip(mapping.entries, m.entries)
+            if isinstance(e, Column) and not e.gather_output for n in ns}
     out = []
     for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
         if not isinstance(entry, (Column, Row)) or (isinstance(entry, Column) and entry.gather_output):
             continue
-        other = rows if isinstance(entry, Column) else cols
-        missing = next((n for n in ns if block_of(n, blocks) not in other), None)
-        if missing is None:
-            continue
-        scope = block_of(missing, blocks)
-        where = f"its block {scope}" if scope else "the modules outside the repeated blocks"
-        if isinstance(entry, Column):
-            msg = (f"Column {missing} leaves its output split, but {where} has no Row entry to take it; add the "
-                   "Row that consumes it, or set gather_output: true")
-        else:
-            msg = (f"Row {missing} expects its input split by a Column, but {where} has no Column entry "
-                   "(without gather_output); add the Column that feeds it, or remove this Row")
-        out.append(Diagnostic.at(loaded.source.value(("entries", i, "module")), "pairing", msg))
+        same, partner = (cols, rows) if isinstance(entry, Column) else (rows, cols)
+        for name in ns:
+            block = block_of(name, blocks)
+            parts = name.split(".")
+            near: list[str] = []
+            scope = ""
+            for k in range(len(parts) - 1, -1, -1):
+                scope = ".".join(parts[:k])
+                if block is not None and len(scope) < len(block):
+                    break  # the block itself was the last scope
+                inside = [w for w in weights if w not in same and (not scope or w.startswith(scope + "."))
+                          and (block is not None or block_of(w, blocks) is None)]
+                if inside:
+                    near = inside
+                    break
+            if any(w in partner for w in near):
+                continue
+            where = (f"{generic(scope)}" if scope else "the base model outside the repeated blocks")
+            shown = ", ".join(f"{generic(w)} ({_kind(modules[w])})" for w in near[:3]) + (", ..." if len(near) > 3 else "")
+            if isinstance(entry, Column):
+                msg = (f"Column {generic(name)} leaves its output split, but no Row entry takes it: "
+                       + (f"the nearest other weights, in {where}, are {shown}, none a Row; make the one that "
+                          "consumes this output a Row" if near else f"{where} holds no other weight to be its Row")
+                       + ", or set gather_output: true")
+            else:
+                msg = (f"Row {generic(name)} expects its input split by a Column, but "
+                       + (f"the nearest other weights, in {where}, are {shown}, none a Column (without "
+                          "gather_output); add the Column that feeds it" if near
+                          else f"{where} holds no other weight to be its Column")
+                       + ", or remove this Row")
+            out.append(Diagnostic.at(loaded.source.value(("entries", i, "module")), "pairing", msg))
+            break  # one problem per entry
     return out
 
 
@@ -232,15 +255,14 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     report = _Report()
     try:
         default = reduced_default_config(mapping.model_type)
-    except ValueError as e:  # AutoConfig's "Unrecognized model identifier"
+    except ValueError:  # AutoConfig's "Unrecognized model identifier"
         from transformers import CONFIG_MAPPING
 
         from ..errors import did_you_mean
 
         report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
                                  f"{mapping.model_type!r} is not a model_type of transformers "
-                                 f"{transformers.__version__}{did_you_mean(mapping.model_type, CONFIG_MAPPING)} "
-                                 f"({type(e).__name__})"))
+                                 f"{transformers.__version__}{did_you_mean(mapping.model_type, CONFIG_MAPPING)}"))
         return report.items
 
     # the verify section: known classes of this model type, known config keys
@@ -288,7 +310,9 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         m = _Matches(loaded, names)
         replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
         models.append((type(model).__name__, names, prefix))
-        for d in replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m) + pairing(loaded, blocks, m):
+        found = (replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m)
+                 + pairing(loaded, modules, blocks, m))
+        for d in found:
             report.add(d, label)
 
     def built(cls, config, v: int | None):
