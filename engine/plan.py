@@ -360,7 +360,7 @@ def _entry(entry, ctx: _Ctx, modules, names, prefix, model, owner, shards, updat
     matched = match(entry.module, names)
     if not matched:
         raise ctx.error(PatternMatchError, f"pattern matches no module of {type(model).__name__} (relative to "
-                        f"its base model{' ' + prefix[:-1] if prefix else ''}){_suggest(entry.module, names)}",
+                        f"its base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(entry.module, names)}",
                         "module", rule="pattern-no-match")
     for rel in matched:
         module, full = modules[rel], prefix + rel
