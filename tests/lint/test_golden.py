@@ -47,15 +47,18 @@ def test_golden(name):
     assert status == 1 and ": error: " in out
 
 
-def test_every_rule_id_in_a_golden_output_is_documented():
+def test_every_rule_is_documented_and_has_a_golden_case():
     from tpmap.lint import RULES
 
     readme = (ROOT / "README.md").read_text()
+    seen = set()
     for name in NAMES:
         for line in (CASES / f"{name}.out").read_text().splitlines():
             if ": error: " in line:
-                rule = line.rsplit("[", 1)[1].rstrip("]")
-                assert rule in RULES and f"`{rule}`" in readme, rule
+                seen.add(line.rsplit("[", 1)[1].rstrip("]"))
+    assert seen == set(RULES)
+    for rule in RULES:
+        assert f"| `{rule}` |" in readme, rule
 
 
 def test_shipped_mappings_are_clean():

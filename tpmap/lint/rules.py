@@ -158,7 +158,7 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str],
     return [
         Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
                       f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
-                      f"to the base model{' ' + prefix[:-1] if prefix else ''}){_suggest(pattern, names)}")
+                      f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(pattern, names)}")
         for k, pattern in enumerate(loaded.mapping.replicated) if k not in hit
     ]
 
@@ -227,14 +227,16 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
 
 # -- the whole file --------------------------------------------------------------------------------
 class _Report:
-    """Collects diagnostics; a later model or world size adds only problems at a new (place, rule)."""
+    """Collects diagnostics; a later model or world size adds only problems at a new (place, rule)
+    (for coverage: a new module)."""
 
     def __init__(self):
         self.items: list[Diagnostic] = []
         self.places: set[tuple] = set()
 
     def add(self, d: Diagnostic, label: str = "") -> None:
-        key = (d.path, d.line, d.col, d.rule)
+        # coverage problems all point at `entries:`; they differ by the module they name
+        key = (d.path, d.line, d.col, d.rule) + ((d.message,) if d.rule == "coverage" else ())
         if key in self.places:
             return
         self.places.add(key)
