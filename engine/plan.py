@@ -243,8 +243,8 @@ def _sections(entry, dim_size: int, ctx: _Ctx) -> list[tuple[int, int | None]]:
     key = ("sections",) if entry.sections is not None else ()
     rule = "fused-sections" if len(specs) > 1 else "divisibility"
 
-    def ev(value, k: int, field: str):
-        return None if value is None else ctx.eval(value, *(("sections", k, field) if listed else (field,)))
+    def ev(value, k: int, name: str):
+        return None if value is None else ctx.eval(value, *(("sections", k, name) if listed else (name,)))
 
     sizes = [ev(s, k, "size") for k, (s, _) in enumerate(specs)]
     heads = [ev(h, k, "heads") for k, (_, h) in enumerate(specs)]

@@ -20,7 +20,7 @@ import inspect
 import re
 from typing import Iterable
 
-from ..errors import Position, TpmapError
+from ..errors import TpmapError, did_you_mean
 from ..loader import LoadedMapping
 from ..schema import Column, Row
 from . import Diagnostic
@@ -255,16 +255,17 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
 
     mapping, src = loaded.mapping, loaded.source
     report = _Report()
+    if mapping.model_type not in transformers.CONFIG_MAPPING:
+        report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
+                                 f"{mapping.model_type!r} is not a model_type of transformers {transformers.__version__}"
+                                 f"{did_you_mean(mapping.model_type, transformers.CONFIG_MAPPING)}"))
+        return report.items
     try:
         default = reduced_default_config(mapping.model_type)
-    except ValueError:  # AutoConfig's "Unrecognized model identifier"
-        from transformers import CONFIG_MAPPING
-
-        from ..errors import did_you_mean
-
-        report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
-                                 f"{mapping.model_type!r} is not a model_type of transformers "
-                                 f"{transformers.__version__}{did_you_mean(mapping.model_type, CONFIG_MAPPING)}"))
+    except Exception as e:  # a config class rejecting its own defaults with 2 layers: reported, not hidden
+        report.add(Diagnostic.at(src.value(("model_type",)), "model-build",
+                                 f"the default config of {mapping.model_type!r} with at most 2 layers is rejected: "
+                                 f"{type(e).__name__}: {e}"))
         return report.items
 
     # the verify section: known classes of this model type, known config keys
@@ -289,8 +290,6 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         classes.append(found)
         for key in spec.config:
             if key not in valid_keys and not any(_reads(c, key) for c in found):
-                from ..errors import did_you_mean
-
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
