@@ -168,8 +168,12 @@ def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
     raise AssertionError("model.base_model is not a submodule of the model")
 
 
+# The `tpmap lint` rule id of each error kind raised while evaluating an expression.
+_EVAL_RULES = {ConfigAttributeError: "config-attribute", DivisibilityError: "divisibility"}
+
+
 class _Ctx:
-    """Evaluation context for one entry: names its position in every error it raises."""
+    """Evaluation context for one entry: names its position (and lint rule) in every error it raises."""
 
     def __init__(self, config: PretrainedConfig, loaded: LoadedMapping, index: int, tp_size: int):
         self.config, self.loaded, self.index, self.tp_size = config, loaded, index, tp_size
@@ -190,11 +194,14 @@ class _Ctx:
         try:
             return expr.evaluate(text, self.lookup, self.tp_size, tp_rank)
         except TpmapError as e:
-            raise self.error(type(e), str(e), *key) from None
+            raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
-    def error(self, cls, message: str, *key) -> TpmapError:
+    def error(self, cls, message: str, *key, rule: str) -> TpmapError:
         e = self.entry
-        return cls(f"{self.pos(*key)}: entry {self.index} ({e.kind} {e.module!r}): {message}")
+        text = f"entry {self.index} ({e.kind} {e.module!r}): {message}"
+        err = cls(f"{self.pos(*key)}: {text}")
+        err.position, err.rule, err.message = self.pos(*key), rule, text
+        return err
 
 
 def _split_dim(module: nn.Module, entry, ctx: _Ctx, name: str) -> tuple[int, str]:
@@ -204,57 +211,87 @@ def _split_dim(module: nn.Module, entry, ctx: _Ctx, name: str) -> tuple[int, str
     extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or extra or list(module.children()):
         raise ctx.error(ModuleKindError, f"module {name} ({cls}) is not a plain 2-D weight (+bias) module; "
-                        "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: true")
+                        "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: true",
+                        "module", rule="module-kind")
     column = isinstance(entry, Column)
     if isinstance(module, nn.Embedding):
         if entry.reverse:
-            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse")
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse",
+                            rule="orientation")
         if not column:
             raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding: only Column (split embedding_dim) applies; "
-                            "a vocabulary split is the mapping's vocab-parallel feature")
+                            "a vocabulary split is the mapping's vocab-parallel feature", "kind", rule="module-kind")
         return 1, cls
     if isinstance(module, nn.Linear):
         if entry.reverse:
             raise ctx.error(ModuleKindError, f"{name} is an nn.Linear, whose weight is [out, in]; remove reverse: true",
-                            "reverse")
+                            "reverse", rule="orientation")
         return (0 if column else 1), cls
     if not entry.reverse:
         raise ctx.error(ModuleKindError, f"{name} is a {cls}, not nn.Linear; if its weight is stored [in, out] "
-                        "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by Column/Row")
+                        "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by Column/Row",
+                        "module", rule="orientation")
     return (1 if column else 0), cls
+
+
+def expression_keys(entry) -> list[tuple[tuple, Any]]:
+    """(key path inside the entry, expression) for every expression an entry holds, in file order."""
+    if isinstance(entry, Update):
+        return [(("attributes", path), value) for path, value in entry.attributes.items()]
+    out: list[tuple[tuple, Any]] = []
+    if entry.heads is not None:
+        out.append((("heads",), entry.heads))
+    if isinstance(entry.sections, list):
+        for k, sec in enumerate(entry.sections):
+            out += [(("sections", k, f), v) for f, v in (("size", sec.size), ("heads", sec.heads)) if v is not None]
+    return out
 
 
 def _sections(entry, dim_size: int, ctx: _Ctx) -> list[tuple[int, int | None]]:
     """Resolve the entry's blocks to (size, heads) integers summing to dim_size."""
     specs = entry.section_specs()
+    listed = isinstance(entry.sections, list)
     key = ("sections",) if entry.sections is not None else ()
-    sizes = [None if s is None else ctx.eval(s, *key) for s, _ in specs]
-    heads = [None if h is None else ctx.eval(h, *(key or ("heads",))) for _, h in specs]
+    rule = "fused-sections" if len(specs) > 1 else "divisibility"
+
+    def ev(value, k: int, name: str):
+        return None if value is None else ctx.eval(value, *(("sections", k, name) if listed else (name,)))
+
+    sizes = [ev(s, k, "size") for k, (s, _) in enumerate(specs)]
+    heads = [ev(h, k, "heads") for k, (_, h) in enumerate(specs)]
     unsized = [i for i, s in enumerate(sizes) if s is None]
     if unsized:
         rest = dim_size - sum(s for s in sizes if s is not None)
         weights = {i: heads[i] or 1 for i in unsized}
         if rest <= 0 or rest % sum(weights.values()):
             raise ctx.error(DivisibilityError, f"the split dim has {dim_size} features; {rest} left for "
-                            f"{len(unsized)} unsized sections weighted {list(weights.values())} does not divide", *key)
+                            f"{len(unsized)} unsized sections weighted {list(weights.values())} does not divide"
+                            + ("" if entry.reverse else " (is reverse right?)" if len(specs) > 1 else ""),
+                            *(key or ("heads",)), rule=rule)
         unit = rest // sum(weights.values())
         for i in unsized:
             sizes[i] = weights[i] * unit
     if sum(sizes) != dim_size:
         raise ctx.error(DivisibilityError, f"sections sum to {sum(sizes)} ({' + '.join(map(str, sizes))}) but the "
                         f"weight has {dim_size} features along the split dim"
-                        + (" (is reverse right?)" if not entry.reverse else ""), *key)
+                        + (" (is reverse right?)" if not entry.reverse else ""), *key, rule=rule)
     return list(zip(sizes, heads))
+
+
+def _heads_key(ctx: _Ctx, k: int) -> tuple:
+    """Where the heads of section k are written: in the section when listed, else the entry's `heads`."""
+    return ("sections", k, "heads") if isinstance(ctx.entry.sections, list) else ("heads",)
 
 
 def _pieces(sections, tp_size: int, column: bool, ctx: _Ctx, name: str) -> tuple[tuple[Pieces, ...], bool]:
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(tp_size)]
     replicated = False
     offset = 0
-    for size, heads in sections:
+    for k, (size, heads) in enumerate(sections):
         if heads is not None:
             if heads <= 0 or size % heads:
-                raise ctx.error(DivisibilityError, f"{name}: a section of {size} features cannot hold {heads} heads")
+                raise ctx.error(DivisibilityError, f"{name}: a section of {size} features cannot hold {heads} heads",
+                                *_heads_key(ctx, k), rule="divisibility")
             head = size // heads
             if heads % tp_size == 0:
                 n = heads // tp_size
@@ -267,10 +304,12 @@ def _pieces(sections, tp_size: int, column: bool, ctx: _Ctx, name: str) -> tuple
             else:
                 why = "neither divides the other" if column else "a Row input cannot be replicated"
                 raise ctx.error(DivisibilityError, f"{name}: {heads} heads cannot be split over world size "
-                                f"{tp_size} ({why}); use a world size that divides {heads}", "heads")
+                                f"{tp_size} ({why}); use a world size that divides {heads}",
+                                *_heads_key(ctx, k), rule="divisibility")
         else:
             if size % tp_size:
-                raise ctx.error(DivisibilityError, f"{name}: {size} features cannot be split over world size {tp_size}")
+                raise ctx.error(DivisibilityError, f"{name}: {size} features cannot be split over world size {tp_size}",
+                                "module", rule="divisibility")
             n = size // tp_size
             for r in range(tp_size):
                 per_rank[r].append((offset + r * n, n))
@@ -296,8 +335,13 @@ def _resolve_attr(module: nn.Module, path: str):
     return obj, parts[-1], getattr(obj, parts[-1])
 
 
-def build(model: nn.Module, loaded: LoadedMapping, tp_size: int) -> Plan:
-    """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data."""
+def build(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[TpmapError] | None = None) -> Plan:
+    """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data.
+
+    Raises the first problem found. With an `errors` list, problems are appended to it instead and
+    checking goes on with the next entry (one problem per entry, one per attribute of an Update), so
+    `tpmap lint` reports them all; the returned plan then leaves the failed entries out.
+    """
     mapping = loaded.mapping
     config = model.config
     base, prefix = base_prefix(model)
@@ -310,40 +354,36 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int) -> Plan:
 
     for i, entry in enumerate(mapping.entries):
         ctx = _Ctx(config, loaded, i, tp_size)
-        matched = match(entry.module, names)
-        if not matched:
-            raise ctx.error(PatternMatchError, f"pattern matches no module of {type(model).__name__} (relative to "
-                            f"its base model{' ' + prefix[:-1] if prefix else ''}){_suggest(entry.module, names)}",
-                            "module")
-        for rel in matched:
-            module, full = modules[rel], prefix + rel
-            if isinstance(entry, Update):
-                updates.extend(_updates(module, full, entry, ctx, config, seen_attr))
-                continue
-            column = isinstance(entry, Column)
-            dim, cls = _split_dim(module, entry, ctx, full)
-            for pname, _ in module.named_parameters(recurse=False):
-                if f"{full}.{pname}" in owner:
-                    j = owner[f"{full}.{pname}"]
-                    raise ctx.error(PatternMatchError, f"parameter {full}.{pname} is already claimed by entry {j} "
-                                    f"({loaded.source.value(('entries', j, 'module'))}); each parameter may be "
-                                    "matched by one Column/Row entry only", "module")
-                owner[f"{full}.{pname}"] = i
-            w = module.weight
-            sections = _sections(entry, w.shape[dim], ctx)
-            pieces, replicated = _pieces(sections, tp_size, column, ctx, full)
-            if replicated and column and entry.gather_output:
-                raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
-                                f"at world size {tp_size}", "gather_output")
-            weight = ParamShard(f"{full}.weight", tuple(w.shape), dim, pieces, replicated)
-            bias = None
-            if getattr(module, "bias", None) is not None:
-                b = module.bias
-                bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
-                        else ParamShard(f"{full}.bias", tuple(b.shape), None))
-            shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
-                                      column and entry.gather_output, i, weight, bias))
-    _check_ties(model, {p for m in shards for p in (m.weight.name, m.bias and m.bias.name) if p})
+        try:
+            _entry(entry, ctx, modules, names, prefix, model, owner, shards, updates, seen_attr, errors)
+        except TpmapError as e:
+            if errors is None:
+                raise
+            errors.append(e)
+    _check_ties(model, {p for m in shards for p in (m.weight.name, m.bias and m.bias.name) if p}, owner, loaded,
+                errors)
+    vocab_size, grad_allreduce = None, []
+    try:
+        vocab_size, grad_allreduce = _whole_model_features(model, loaded, tp_size, owner, shards, names, modules,
+                                                           prefix)
+    except TpmapError as e:
+        if errors is None:
+            raise
+        errors.append(e)
+    return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path,
+                tuple(dict.fromkeys(grad_allreduce)), vocab_size)
+
+
+def _located(cls, position: Position, message: str, rule: str) -> TpmapError:
+    """An error about a mapping line outside the entries (`path:line:col: message`, lint rule id)."""
+    err = cls(f"{position}: {message}")
+    err.position, err.rule, err.message = position, rule, message
+    return err
+
+
+def _whole_model_features(model, loaded, tp_size, owner, shards, names, modules, prefix):
+    """vocab_parallel (appends its ModuleShards) and grad_allreduce: (vocab size or None, parameter names)."""
+    mapping = loaded.mapping
     vocab_size = None
     if mapping.vocab_parallel is not None:
         vocab_shards = _vocab_parallel(model, mapping.vocab_parallel, tp_size, owner, loaded)
@@ -354,17 +394,18 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int) -> Plan:
         hits = match(pattern, names)
         if not hits:
             i = mapping.grad_allreduce.index(pattern)
-            raise PatternMatchError(f"{loaded.source.value(('grad_allreduce', i))}: grad_allreduce pattern {pattern!r} "
-                                    f"matches no module{_suggest(pattern, names)}")
+            raise _located(PatternMatchError, loaded.source.value(("grad_allreduce", i)),
+                           f"grad_allreduce pattern {pattern!r} matches no module{_suggest(pattern, names)}",
+                           "pattern-no-match")
         for rel in hits:
             for pname, _ in modules[rel].named_parameters():
                 full = f"{prefix}{rel}.{pname}"
                 if full in owner:
-                    raise PatternMatchError(f"{loaded.source.value(('grad_allreduce',))}: {full} is sharded by entry "
-                                            f"{owner[full]}; grad_allreduce is for parameters kept whole")
+                    raise _located(PatternMatchError, loaded.source.value(("grad_allreduce",)),
+                                   f"{full} is sharded by entry {owner[full]}; grad_allreduce is for parameters "
+                                   "kept whole", "double-match")
                 grad_allreduce.append(full)
-    return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path,
-                tuple(dict.fromkeys(grad_allreduce)), vocab_size)
+    return vocab_size, grad_allreduce
 
 
 def vocab_pieces(vocab: int, tp_size: int) -> tuple[tuple[Pieces, ...], int]:
@@ -392,11 +433,11 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
     emb = model.get_input_embeddings() if spec.embedding else None
     head = model.get_output_embeddings() if spec.lm_head else None
     if spec.embedding and not isinstance(emb, nn.Embedding):
-        raise ModuleKindError(f"{pos}: vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() is "
-                              f"{type(emb).__name__}, not an nn.Embedding; set embedding: false")
+        raise _located(ModuleKindError, pos, f"vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() "
+                       f"is {type(emb).__name__}, not an nn.Embedding; set embedding: false", "module-kind")
     if head is not None and not isinstance(head, nn.Linear):
-        raise ModuleKindError(f"{pos}: vocab_parallel.lm_head: the output embedding is a {type(head).__name__}, "
-                              "not an nn.Linear; set lm_head: false")
+        raise _located(ModuleKindError, pos, f"vocab_parallel.lm_head: the output embedding is a "
+                       f"{type(head).__name__}, not an nn.Linear; set lm_head: false", "module-kind")
     vocab = emb.weight.shape[0] if emb is not None else (head.weight.shape[0] if head is not None else None)
     if vocab is None:
         return []
@@ -407,7 +448,8 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
         names = by_id[id(param)]
         for n in names:
             if n in owner:
-                raise PatternMatchError(f"{pos}: {n} is in the vocabulary split and also claimed by entry {owner[n]}")
+                raise _located(PatternMatchError, pos, f"{n} is in the vocabulary split and also claimed by entry "
+                               f"{owner[n]}", "double-match")
         return ParamShard(names[0], tuple(param.shape), dim, pieces, False, per_rank, tuple(names[1:]))
 
     if emb is not None:
@@ -417,7 +459,8 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
                 shards.append(ModuleShard(name, "vocab_embedding", type(module).__name__, False, False, -1, weight, None))
     if head is not None:
         if head.weight.shape[0] != vocab:
-            raise DivisibilityError(f"{pos}: the LM head has {head.weight.shape[0]} rows but the embedding {vocab}")
+            raise _located(ModuleKindError, pos, f"the LM head has {head.weight.shape[0]} rows but the embedding "
+                           f"{vocab}; set lm_head: false", "module-kind")
         name = next(n for n, m in named.items() if m is head)
         weight = shard_of(head.weight)
         bias = shard_of(head.bias) if head.bias is not None else None
@@ -425,32 +468,114 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
     return shards
 
 
-def _updates(module, full, entry: Update, ctx: _Ctx, config, seen) -> list[AttributeUpdate]:
+def _entry(entry, ctx: _Ctx, modules, names, prefix, model, owner, shards, updates, seen_attr, errors) -> None:
+    """Plan one entry on every module it matches; raises its first problem (Update: see `_updates`)."""
+    i, loaded, tp_size = ctx.index, ctx.loaded, ctx.tp_size
+    matched = match(entry.module, names)
+    if not matched:
+        raise ctx.error(PatternMatchError, f"pattern matches no module of {type(model).__name__} (relative to "
+                        f"its base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(entry.module, names)}",
+                        "module", rule="pattern-no-match")
+    for rel in matched:
+        module, full = modules[rel], prefix + rel
+        if isinstance(entry, Update):
+            before = len(errors) if errors is not None else 0
+            updates.extend(_updates(module, full, entry, ctx, seen_attr, errors))
+            if errors is not None and len(errors) > before:
+                return  # the other modules of this entry would repeat the same problems
+            continue
+        column = isinstance(entry, Column)
+        dim, cls = _split_dim(module, entry, ctx, full)
+        for pname, _ in module.named_parameters(recurse=False):
+            if f"{full}.{pname}" in owner:
+                j = owner[f"{full}.{pname}"]
+                raise ctx.error(PatternMatchError, f"parameter {full}.{pname} is already claimed by entry {j} "
+                                f"({loaded.source.value(('entries', j, 'module'))}); each parameter may be "
+                                "matched by one Column/Row entry only", "module", rule="double-match")
+            owner[f"{full}.{pname}"] = i
+        w = module.weight
+        sections = _sections(entry, w.shape[dim], ctx)
+        pieces, replicated = _pieces(sections, tp_size, column, ctx, full)
+        if replicated and column and entry.gather_output:
+            raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
+                            f"at world size {tp_size}", "gather_output", rule="divisibility")
+        weight = ParamShard(f"{full}.weight", tuple(w.shape), dim, pieces, replicated)
+        bias = None
+        if getattr(module, "bias", None) is not None:
+            b = module.bias
+            bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
+                    else ParamShard(f"{full}.bias", tuple(b.shape), None))
+        shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
+                                  column and entry.gather_output, i, weight, bias))
+
+
+def _updates(module, full, entry: Update, ctx: _Ctx, seen, errors=None) -> list[AttributeUpdate]:
+    """The updates of one module; with `errors`, a bad attribute is recorded and the others still checked."""
     out = []
     for path, value_expr in entry.attributes.items():
         try:
-            _, _, current = _resolve_attr(module, path)
-        except AttributeError:
-            attrs = [a for a in vars(module) if not a.startswith("_")]
-            raise ctx.error(ConfigAttributeError if path.startswith("config.") else ModuleKindError,
-                            f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
-                            "attributes", path) from None
-        if (full, path) in seen:
-            raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry {seen[(full, path)]}",
-                            "attributes", path)
-        seen[(full, path)] = ctx.index
-        values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(ctx.tp_size))
-        via_config = isinstance(_resolve_attr(module, path)[0], PretrainedConfig)
-        out.append(AttributeUpdate(full, path, current, values, via_config, ctx.index))
+            out.append(_update(module, full, path, value_expr, ctx, seen))
+        except TpmapError as e:
+            if errors is None:
+                raise
+            errors.append(e)
     return out
 
 
-def _check_ties(model: nn.Module, sharded: set[str]) -> None:
+def _update(module, full, path: str, value_expr, ctx: _Ctx, seen) -> AttributeUpdate:
+    try:
+        _, _, current = _resolve_attr(module, path)
+    except AttributeError:
+        via_config = path.startswith("config.")
+        owner = getattr(module, "config", None) if via_config else module
+        attrs = [a for a in vars(owner) if not a.startswith("_")] if owner is not None else []
+        if via_config:
+            attrs = ["config." + a for a in attrs]
+        raise ctx.error(ConfigAttributeError if via_config else ModuleKindError,
+                        f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
+                        "attributes", path, rule="config-attribute" if via_config else "update-attribute") from None
+    if (full, path) in seen:
+        raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry {seen[(full, path)]}",
+                        "attributes", path, rule="double-match")
+    values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(ctx.tp_size))
+    seen[(full, path)] = ctx.index
+    via_config = isinstance(_resolve_attr(module, path)[0], PretrainedConfig)
+    return AttributeUpdate(full, path, current, values, via_config, ctx.index)
+
+
+def check_expressions(config: PretrainedConfig, loaded: LoadedMapping) -> list[TpmapError]:
+    """Every config attribute that an expression of the mapping names, checked against `config`.
+
+    `build` finds these only in entries whose pattern matches; `tpmap lint` checks them all.
+    """
+    out: list[TpmapError] = []
+    for i, entry in enumerate(loaded.mapping.entries):
+        ctx = _Ctx(config, loaded, i, 1)
+        for key, value in expression_keys(entry):
+            for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):
+                try:
+                    ctx.lookup(name)
+                except ConfigAttributeError as e:
+                    out.append(ctx.error(ConfigAttributeError, str(e), *key, rule="config-attribute"))
+    return out
+
+
+def _check_ties(model: nn.Module, sharded: set[str], owner: dict[str, int], loaded: LoadedMapping,
+                errors: list[TpmapError] | None = None) -> None:
     """A sharded parameter must not also be used, tied, by a module that stays whole."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     for names in by_id.values():
         if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
-            raise PatternMatchError(f"parameter {names[0]} is tied to {', '.join(names[1:])}; shard all of them "
-                                    "with the same entry or none")
+            message = (f"parameter {names[0]} is tied to {', '.join(names[1:])}; shard all of them "
+                       "with the same entry or none")
+            entry = next(owner[n] for n in names if n in owner)
+            position = loaded.source.value(("entries", entry, "module"))
+            err = PatternMatchError(message)
+            e = loaded.mapping.entries[entry]
+            text = f"entry {entry} ({e.kind} {e.module!r}): {message}"
+            err.position, err.rule, err.message = position, "tied-parameter", text
+            if errors is None:
+                raise err
+            errors.append(err)

@@ -2,6 +2,8 @@
 
     tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
     tpmap plan MODEL_TYPE -n N [--rank R] [--default-config]     print the plan as a table
+    tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
+    tpmap schema                                                 print the mapping JSON Schema
 """
 from __future__ import annotations
 
@@ -53,6 +55,32 @@ def _plan(args) -> int:
     return 0
 
 
+def _lint(args) -> int:
+    from . import lint
+    from .lint import report
+
+    if args.rules:
+        width = max(map(len, lint.RULES))
+        print("\n".join(f"{rule.ljust(width)}  {what}" for rule, what in lint.RULES.items()))
+        return 0
+    try:
+        files, diagnostics = lint.lint_paths(args.paths)
+    except lint.LintUsageError as e:
+        print(f"tpmap lint: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(report.render(args.format, files, diagnostics))
+    return 1 if diagnostics else 0
+
+
+def _schema(args) -> int:
+    import json
+
+    from .schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpmap", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-config", action="store_true", help="the model type's default config, not the tiny one")
     p.add_argument("--model-class", default=None, help="transformers class (default: the first in the mapping)")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("lint", help="check mapping files against the schema and the real model structure",
+                       description="Check mapping files statically: schema, then the mapping against each model "
+                       "built on the meta device (no weights, no process group). Exit status: 0 clean, 1 errors, "
+                       "2 usage error.")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="mapping files or folders (default: the shipped mappings)")
+    p.add_argument("--format", choices=("text", "json", "github"), default="text",
+                   help="text (default), json, or github (GitHub Actions ::error annotations)")
+    p.add_argument("--rules", action="store_true", help="list the rule ids and exit")
+    p.set_defaults(func=_lint)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of mapping files (for editors)")
+    p.set_defaults(func=_schema)
     return parser
 
 

@@ -20,7 +20,15 @@ class Position:
 
 
 class TpmapError(ValueError):
-    """Base class of every error tpmap raises for a user mistake."""
+    """Base class of every error tpmap raises for a user mistake.
+
+    Errors about a line of a mapping file also carry `position` (where to fix it), `rule` (the
+    `tpmap lint` rule id) and `message` (the text without the position); all three are None otherwise.
+    """
+
+    position: Position | None = None
+    rule: str | None = None
+    message: str | None = None
 
 
 class MappingError(TpmapError):

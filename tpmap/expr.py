@@ -24,6 +24,8 @@ from .errors import DivisibilityError, TpmapError
 
 PER_RANK_NAMES = ("tp_size", "tp_rank")
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
+_OTHER_OPS = {ast.Div: "/", ast.Mod: "%", ast.Pow: "**", ast.MatMult: "@", ast.LShift: "<<", ast.RShift: ">>",
+              ast.BitOr: "|", ast.BitAnd: "&", ast.BitXor: "^"}
 
 
 class ExpressionError(TpmapError):
@@ -62,6 +64,13 @@ def _check(node: ast.AST, text: str) -> None:
     ):
         _check(node.args[0], text)
         return
+    if isinstance(node, ast.BinOp) and type(node.op) in _OTHER_OPS:
+        op = _OTHER_OPS[type(node.op)]
+        hint = "; write // for an exact integer division" if op == "/" else ""
+        raise ExpressionError(
+            f"operator {op!r} is not allowed in expression {text!r}{hint} "
+            "(allowed: integers, config attribute names, tp_size, tp_rank, + - * //, parentheses, per_rank(...))"
+        )
     part = ast.get_source_segment(text, node) or type(node).__name__
     raise ExpressionError(
         f"{part!r} is not allowed in expression {text!r}; "
@@ -70,8 +79,10 @@ def _check(node: ast.AST, text: str) -> None:
 
 
 def names(text: str | int) -> set[str]:
-    """The names an expression reads (config attributes and per-rank names)."""
-    return {n.id for n in ast.walk(parse(text)) if isinstance(n, ast.Name)}
+    """The names an expression reads (config attributes and per-rank names; not the function per_rank)."""
+    tree = parse(text)
+    functions = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in functions}
 
 
 def per_rank(n: int, tp_size: int, what: str = "heads") -> int:

@@ -88,6 +88,9 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
         mark = e.problem_mark or e.context_mark
         pos = Position(path, mark.line + 1, mark.column + 1) if mark else Position(path, 1, 1)
         problem = e.problem or "invalid YAML"
+        if e.context and e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
+            # e.g. an unclosed {...}: the parser notices lines later; say where the construct began
+            problem += f" ({e.context} that starts at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
         if "\t" in text and "tab" in problem.lower() or "found character '\\t'" in problem:
             problem += "; indent with spaces, YAML does not allow tabs"
         raise MappingErrors([MappingError(f"YAML syntax error: {problem}", pos, "yaml-syntax")]) from None

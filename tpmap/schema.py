@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from . import expr
 
@@ -39,7 +39,18 @@ def _check_pattern(value: str) -> str:
     return value
 
 
+def _check_attribute_path(key: str) -> str:
+    if not key or any(not p.isidentifier() for p in key.split(".")):
+        raise ValueError(f"attribute path {key!r} must be dotted Python identifiers")
+    return key
+
+
 Expr = Annotated[Union[StrictInt, str], Field(description="integer expression, see tpmap.expr")]
+# checked where it stands, so that an error points at the very value (an Update attribute)
+CheckedExpr = Annotated[Union[StrictInt, str], AfterValidator(_check_expr),
+                        Field(description="integer expression, see tpmap.expr")]
+AttributePath = Annotated[str, AfterValidator(_check_attribute_path)]
+WorldSize = Annotated[StrictInt, Field(ge=1)]
 Pattern = Annotated[str, Field(description="dotted module path relative to the base model; * globs per component")]
 
 
@@ -144,20 +155,11 @@ class Update(_Strict):
 
     kind: Literal["Update"]
     module: Pattern = Field(description="modules whose attributes change")
-    attributes: dict[str, Expr] = Field(
+    attributes: dict[AttributePath, CheckedExpr] = Field(
         min_length=1, description="attribute path -> per-rank value (expression), e.g. num_heads: n_head // tp_size"
     )
 
     _v_module = field_validator("module")(lambda v: _check_pattern(v))
-
-    @field_validator("attributes")
-    @classmethod
-    def _v_attrs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key, v in value.items():
-            if not key or any(not p.isidentifier() for p in key.split(".")):
-                raise ValueError(f"attribute path {key!r} must be dotted Python identifiers")
-            _check_expr(v)
-        return value
 
 
 Entry = Annotated[Union[Column, Row, Update], Field(discriminator="kind")]
@@ -172,7 +174,7 @@ class Verify(_Strict):
         "divide the world sizes you claim (12 heads cover 1, 2, 3, 4)"
     )
     models: list[str] = Field(min_length=1, description="transformers class names to build, e.g. LlamaForCausalLM")
-    world_sizes: list[StrictInt] = Field([1, 2, 4], description="world sizes `tpmap verify` runs")
+    world_sizes: list[WorldSize] = Field([1, 2, 4], description="world sizes `tpmap verify` runs")
 
 
 class VocabParallel(_Strict):
@@ -195,7 +197,7 @@ class Mapping(_Strict):
     """A whole mapping file."""
 
     model_type: str = Field(description="the transformers config.model_type this file maps")
-    world_sizes: list[StrictInt] = Field(
+    world_sizes: list[WorldSize] = Field(
         [1, 2, 4, 8], description="world sizes the mapping supports on the default config of the model type"
     )
     replicated: list[Pattern] = Field(
@@ -215,3 +217,10 @@ class Mapping(_Strict):
     )
 
     _v_replicated = field_validator("replicated", "grad_allreduce")(lambda v: [_check_pattern(p) for p in v])
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a mapping file, generated from `Mapping` (what `tpmap schema` prints and
+    ``tpmap/mapping.schema.json``, referenced by the shipped YAML files, holds)."""
+    schema = Mapping.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "tpmap mapping file"}

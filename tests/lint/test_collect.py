@@ -1,0 +1,58 @@
+"""engine.plan.build in collecting mode (what `tpmap lint` runs) agrees with raising mode (what
+`tpmap.apply` runs): same first problem, same plan when clean."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig
+
+from tpmap import loader
+from tpmap.engine import plan as planning
+from tpmap.errors import TpmapError
+
+
+def tiny(model_type: str):
+    spec = loader.for_model_type(model_type).mapping.verify[0]
+    with torch.device("meta"):
+        return getattr(transformers, spec.models[0])(AutoConfig.for_model(model_type, **spec.config))
+
+
+def broken_llama():
+    text = loader.shipped_files()["llama"].read_text()
+    for old, new in [("module: layers.*.mlp.up_proj", "module: layers.*.mlp.upproj"),
+                     ("heads: num_key_value_heads", "heads: num_kv_heads"),
+                     ("    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true"),
+                     ("num_key_value_groups: per_rank", "num_key_value_group: per_rank")]:
+        assert old in text
+        text = text.replace(old, new, 1)
+    return loader.load_text(text, "broken.yaml")
+
+
+def test_collecting_finds_every_problem_and_the_first_is_what_apply_raises():
+    model, loaded = tiny("llama"), broken_llama()
+    errors: list[TpmapError] = []
+    planning.build(model, loaded, 2, errors)
+    assert [e.rule for e in errors] == ["config-attribute", "update-attribute", "pattern-no-match", "orientation"]
+    assert all(str(e) == f"{e.position}: {e.message}" for e in errors)
+    with pytest.raises(TpmapError) as raised:
+        planning.build(model, loaded, 2)
+    assert str(raised.value) == str(errors[0]) and type(raised.value) is type(errors[0])
+
+
+@pytest.mark.parametrize("model_type", sorted(loader.shipped_files()))
+def test_clean_mapping_gives_the_same_plan_in_both_modes(model_type):
+    model, loaded = tiny(model_type), loader.for_model_type(model_type)
+    errors: list[TpmapError] = []
+    assert planning.build(model, loaded, 2, errors) == planning.build(model, loaded, 2)
+    assert errors == []
+
+
+def test_check_expressions_covers_entries_that_match_nothing():
+    text = loader.shipped_files()["gpt2"].read_text().replace(
+        "  - kind: Row\n    module: h.*.mlp.c_proj\n", "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n")
+    loaded = loader.load_text(text, "g.yaml")
+    found = planning.check_expressions(tiny("gpt2").config, loaded)
+    line = text.splitlines().index("    heads: n_heads") + 1
+    assert [(e.rule, e.position.line, e.position.col) for e in found] == [("config-attribute", line, 12)]
+    assert "has no attribute 'n_heads' (did you mean n_head?)" in found[0].message

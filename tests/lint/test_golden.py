@@ -1,0 +1,206 @@
+"""`tpmap lint`: golden outputs for realistic mistakes, the output formats, exit codes, `tpmap schema`.
+
+Regenerate the .out files with ``python tests/lint/regen.py`` after an intended change of a message.
+No test here starts a rank process or reads a weight.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("tpmap_lint_regen", Path(__file__).with_name("regen.py"))
+regen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(regen)
+
+ROOT, CASES = regen.ROOT, regen.CASES
+NAMES = regen.case_names()
+
+# the mistakes the issue asks for, each with at least one case (name -> rule it must report)
+REQUIRED = {
+    "typo_key": "unknown-key", "unknown_kind": "unknown-kind", "wrong_type": "wrong-type",
+    "yaml_syntax": "yaml-syntax", "tab_indentation": "yaml-syntax", "duplicate_key": "duplicate-key",
+    "empty_file": "empty-file", "pattern_no_match": "pattern-no-match", "double_match": "double-match",
+    "uncovered_linear": "coverage", "column_without_row": "pairing", "fused_sections": "fused-sections",
+    "missing_config_attribute": "config-attribute", "world_size": "divisibility",
+    "reverse_on_linear": "orientation",
+}
+
+
+def test_at_least_the_required_cases_exist():
+    assert len(NAMES) >= 15
+    assert set(REQUIRED) <= set(NAMES)
+    for name, rule in REQUIRED.items():
+        assert f"[{rule}]" in (CASES / f"{name}.out").read_text(), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden(name):
+    expected = (CASES / f"{name}.out").read_text(encoding="utf-8")
+    status, out = regen.run_case(name)
+    assert out == expected, f"output of case {name} changed; if intended, run: python tests/lint/regen.py {name}"
+    assert status == 1 and ": error: " in out
+
+
+def test_every_rule_is_documented_and_has_a_golden_case():
+    from tpmap.lint import RULES
+
+    readme = (ROOT / "README.md").read_text()
+    seen = set()
+    for name in NAMES:
+        for line in (CASES / f"{name}.out").read_text().splitlines():
+            if ": error: " in line:
+                seen.add(line.rsplit("[", 1)[1].rstrip("]"))
+    assert seen == set(RULES)
+    for rule in RULES:
+        assert f"| `{rule}` |" in readme, rule
+
+
+def test_shipped_mappings_are_clean():
+    status, out = regen.run_lint("mappings/")
+    assert (status, out) == (0, f"{len(list((ROOT / 'mappings').glob('*.yaml')))} files linted, no errors\n")
+
+
+def test_all_errors_of_all_files_sorted_by_file_and_line():
+    names = ["world_size", "many_schema_errors", "double_match"]
+    status, out = regen.run_lint(*(f"tests/lint/cases/{n}.yaml" for n in names), "mappings")
+    assert status == 1
+    parts = [regen.run_case(n)[1].rsplit("\n", 2)[0] + "\n" for n in sorted(names)]
+    total = sum(p.count(": error: ") for p in parts)
+    assert out == "".join(parts) + f"{total} errors in 3 of {3 + len(list((ROOT / 'mappings').glob('*.yaml')))} files\n"
+
+
+def test_json_format():
+    status, out = regen.run_lint("--format", "json", "tests/lint/cases/world_size.yaml", "mappings/gpt2.yaml")
+    data = json.loads(out)
+    assert status == 1
+    assert data["files"] == ["tests/lint/cases/world_size.yaml", "mappings/gpt2.yaml"]
+    first = data["diagnostics"][0]
+    assert first == {
+        "path": "tests/lint/cases/world_size.yaml", "line": 12, "col": 12, "severity": "error",
+        "rule": "divisibility", "message": first["message"],
+    }
+    assert first["message"].startswith("world size 8: entry 0 (Column 'h.*.attn.c_attn')")
+    assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 3
+    status, out = regen.run_lint("--format", "json", "mappings/")
+    assert status == 0 and json.loads(out)["diagnostics"] == []
+
+
+def test_github_format():
+    status, out = regen.run_lint("--format", "github", "tests/lint/cases/typo_key.yaml",
+                                 "tests/lint/cases/yaml_syntax.yaml")
+    assert status == 1
+    lines = out.splitlines()
+    assert lines[0] == (
+        "::error file=tests/lint/cases/typo_key.yaml,line=10,col=5,title=tpmap lint [unknown-key]::"
+        "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, reverse, "
+        "combined_qkv, sections, heads, gather_output"
+    )
+    # the message's own ':' and ',' stay as they are in the data part; properties are escaped
+    assert lines[1].startswith("::error file=tests/lint/cases/yaml_syntax.yaml,line=35,col=11,")
+    assert len(lines) == 2
+    assert regen.run_lint("--format", "github", "mappings/") == (0, "")
+
+
+def test_github_escaping():
+    from tpmap.lint import Diagnostic
+    from tpmap.lint.report import github
+
+    d = Diagnostic("a,b:c.yaml", 1, 2, "wrong-type", "100% wrong\nsecond line")
+    assert github([], [d]) == ("::error file=a%2Cb%3Ac.yaml,line=1,col=2,title=tpmap lint [wrong-type]::"
+                               "100%25 wrong%0Asecond line\n")
+
+
+def test_caret_keeps_tabs(tmp_path):
+    from tpmap.lint import Diagnostic
+    from tpmap.lint.report import text
+
+    f = tmp_path / "t.yaml"
+    f.write_text("a:\n\t  b: 1\n")
+    out = text([str(f)], [Diagnostic(str(f), 2, 4, "yaml-syntax", "m")])
+    assert out.splitlines()[1:3] == ["\t  b: 1", "\t  ^"]
+
+
+def test_usage_errors_exit_2(tmp_path, capsys):
+    from tpmap.cli import main
+
+    assert main(["lint", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert main(["lint", str(tmp_path)]) == 2  # a folder without mappings
+    assert "no .yaml or .yml files" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["lint", "--format", "xml"])
+    assert e.value.code == 2
+
+
+def test_default_paths_are_the_shipped_mappings():
+    status, out = regen.run_lint()
+    assert status == 0 and out.endswith("files linted, no errors\n")
+
+
+def test_rules_listing(capsys):
+    from tpmap.cli import main
+    from tpmap.lint import RULES
+
+    assert main(["lint", "--rules"]) == 0
+    out = capsys.readouterr().out
+    assert all(rule in out for rule in RULES)
+
+
+def test_subprocess_exit_codes_and_output():
+    """The real command line, as CI and the pre-commit hook run it."""
+    env = dict(os.environ)  # the installed tpmap, as CI and pre-commit run it
+    cmd = [sys.executable, "-m", "tpmap", "lint"]
+    bad = subprocess.run(cmd + ["tests/lint/cases/fused_sections.yaml"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1, bad.stderr
+    assert bad.stdout == (CASES / "fused_sections.out").read_text()
+    good = subprocess.run(cmd + ["mappings/"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "no errors" in good.stdout, good.stderr
+    usage = subprocess.run(cmd + ["no/such/dir"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and "no such file" in usage.stderr
+
+
+def test_lint_loads_no_weights_and_starts_no_process_group(monkeypatch):
+    import torch.distributed as dist
+    import transformers
+
+    from tpmap.lint import lint_paths
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tpmap lint must not do this")
+
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", forbidden)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
+    files, diagnostics = lint_paths([str(ROOT / "mappings")])
+    assert files and diagnostics == []
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_schema_command(capsys):
+    from tpmap.cli import main
+    from tpmap.schema import Mapping
+
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(Mapping.model_fields) <= set(schema["properties"])
+    assert set(schema["required"]) == {"model_type", "entries", "verify"}
+    assert {"Column", "Row", "Update", "Section", "Verify"} <= set(schema["$defs"])
+    assert schema["additionalProperties"] is False
+
+
+def test_shipped_schema_file_is_current_and_referenced():
+    from tpmap.schema import json_schema
+
+    shipped = json.loads((ROOT / "tpmap" / "mapping.schema.json").read_text())
+    assert shipped == json_schema(), "regenerate it: tpmap schema > tpmap/mapping.schema.json"
+    for f in sorted((ROOT / "mappings").glob("*.yaml")):
+        first = f.read_text().splitlines()[0]
+        assert first == "# yaml-language-server: $schema=../tpmap/mapping.schema.json", f
+        assert (f.parent / first.split("=", 1)[1]).resolve() == (ROOT / "tpmap" / "mapping.schema.json").resolve()

@@ -1,0 +1,64 @@
+"""The shipped pre-commit hook, run by pre-commit itself from a scratch git repository (offline).
+
+pre-commit is part of the `test` extra so that this runs in CI instead of being skipped. The hook
+repository is a throwaway git repository holding this checkout's `.pre-commit-hooks.yaml` at one
+commit (the file is what pre-commit reads from a hook repository; `language: system` hooks install
+nothing), so the test checks the working tree's hook file, committed or not.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def init_repo(path: Path) -> None:
+    path.mkdir()
+    git(path, "init", "-q")
+    git(path, "config", "user.email", "test@example.com")
+    git(path, "config", "user.name", "test")
+    git(path, "config", "commit.gpgsign", "false")
+
+
+def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
+    hooks = tmp_path / "hooks"
+    init_repo(hooks)
+    shutil.copy(ROOT / ".pre-commit-hooks.yaml", hooks / ".pre-commit-hooks.yaml")
+    git(hooks, "add", ".")
+    git(hooks, "commit", "-q", "-m", "hooks")
+    rev = git(hooks, "rev-parse", "HEAD")
+
+    user = tmp_path / "user"
+    init_repo(user)
+    (user / ".pre-commit-config.yaml").write_text(
+        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: tpmap-lint\n")
+    (user / "mappings").mkdir()
+    shutil.copy(ROOT / "mappings" / "llama.yaml", user / "mappings" / "llama.yaml")
+    (user / "notes.yaml").write_text("not: [a mapping\n")  # outside mappings/: the hook must skip it
+    git(user, "add", ".")
+
+    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "cache"),
+           # `tpmap` of the interpreter running the tests, whatever PATH the caller has
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    assert shutil.which("tpmap", path=env["PATH"]), "tpmap is not installed next to this python"
+    cmd = [sys.executable, "-m", "pre_commit", "run", "--all-files", "--color", "never"]
+
+    ok = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "tpmap lint" in ok.stdout and "Passed" in ok.stdout
+
+    text = (user / "mappings" / "llama.yaml").read_text()
+    (user / "mappings" / "llama.yaml").write_text(text.replace("heads: num_key_value_heads", "heads: num_kv_heads"))
+    bad = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "Failed" in bad.stdout
+    assert ("mappings/llama.yaml:13:12: error: entry 1 (Column 'layers.*.self_attn.k_proj'): the LlamaConfig has "
+            "no attribute 'num_kv_heads' (did you mean num_key_value_heads?) [config-attribute]") in bad.stdout

@@ -1,0 +1,391 @@
+"""Structural rules: a loaded mapping against the real model, built on the meta device.
+
+Which models are built (all on the meta device: shapes only, no weights, no process group):
+
+* the model type's *default* config, with every layer count reduced to 2 (checks are per block, and
+  block structure and sizes do not depend on the number of blocks), once per model class the file's
+  ``verify`` section names, at world size 1 (structure), then with the first class at every world size
+  the file declares in ``world_sizes`` (divisibility, reported per world size);
+* every embedded tiny ``verify`` config with its first class, at world size 1 and at its own
+  ``world_sizes`` (what `tpmap verify` will run).
+
+The per-entry checks are `engine.plan.build` in collecting mode -- the same code `tpmap.apply` runs --
+so the linter and `apply` cannot disagree. Coverage and pairing are lint-only rules (below).
+A problem found once is not repeated: a later model or world size only adds problems at a new
+(place, rule), and world-size problems name the world size.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Iterable
+
+from ..errors import TpmapError, did_you_mean
+from ..loader import LoadedMapping
+from ..schema import Column, Row
+from . import Diagnostic
+
+_LAYER_KEY = re.compile(r"layers")
+
+
+# -- building models -------------------------------------------------------------------------------
+def reduced_default_config(model_type: str):
+    """The default config of `model_type` with every layer count (`num_hidden_layers` through the
+    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    overrides = {k: 2 for k, v in config.to_dict().items()
+                 if _LAYER_KEY.search(k) and type(v) is int and v > 2}
+    if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
+        overrides["num_hidden_layers"] = 2
+    return AutoConfig.for_model(model_type, **overrides) if overrides else config
+
+
+def config_keys(config) -> set[str]:
+    """Names a config accepts: its attributes, its attribute_map aliases and its __init__ parameters."""
+    keys = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    for cls in type(config).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            keys |= {n for n, p in inspect.signature(init).parameters.items()
+                     if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return keys
+
+
+def build_meta(cls, config):
+    import torch
+
+    with torch.device("meta"):  # shapes only: no memory, no weights read, nothing initialised
+        return cls(config)
+
+
+# -- blocks ----------------------------------------------------------------------------------------
+def block_prefixes(base) -> list[str]:
+    """The repeated blocks: the elements of the outermost nn.ModuleLists of the base model
+    (``h.0``, ``layers.3``, ``encoder.block.1``, ``encoder.layer.0``). A ModuleList inside a block
+    (T5's ``block.0.layer``, experts) belongs to that block."""
+    from torch import nn
+
+    lists: list[str] = []
+    for name, module in base.named_modules():
+        if isinstance(module, nn.ModuleList) and name and not any(name.startswith(p + ".") for p in lists):
+            lists.append(name)
+    return [f"{ln}.{child}" for ln in lists for child, _ in base.get_submodule(ln).named_children()]
+
+
+def block_of(name: str, blocks: list[str]) -> str | None:
+    for b in blocks:
+        if name == b or name.startswith(b + "."):
+            return b
+    return None
+
+
+def generic(name: str) -> str:
+    """A module name with its block indices as '*' (h.3.attn.c_attn -> h.*.attn.c_attn)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+
+
+# -- the lint-only rules ---------------------------------------------------------------------------
+def _covered_kinds() -> tuple:
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, nn.Embedding, Conv1D)
+
+
+class _Matches:
+    """What each entry and replicated pattern of a mapping matches in one base model."""
+
+    def __init__(self, loaded: LoadedMapping, names: list[str]):
+        from tpmap.engine.plan import match
+
+        self.entries = [match(e.module, names) for e in loaded.mapping.entries]
+        self.replicated = [match(p, names) for p in loaded.mapping.replicated]
+
+
+def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+    """Every nn.Linear, Conv1D and nn.Embedding inside a block is sharded by a Column/Row entry or kept
+    whole on purpose by a `replicated` pattern that matches it or one of its parents (strict mode)."""
+    mapping = loaded.mapping
+    sharded = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, (Column, Row)) for n in ns}
+    kept = {n for ns in m.replicated for n in ns}
+    kinds = _covered_kinds()
+    out, seen = [], set()
+    for name, module in modules.items():
+        if not isinstance(module, kinds) or block_of(name, blocks) is None or name in sharded:
+            continue
+        parts = name.split(".")
+        if any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1)):
+            continue
+        g = generic(name)
+        if g in seen:
+            continue
+        seen.add(g)
+        out.append(Diagnostic.at(
+            loaded.source.key(("entries",)), "coverage",
+            f"{_kind(module)} {g} is inside the repeated blocks but no entry shards it; add a Column or "
+            f"Row entry for it, or list it under replicated: to keep it whole on every rank"))
+    return out
+
+
+def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
+    """No replicated pattern keeps whole (a parent of) a module that an entry shards."""
+    mapping = loaded.mapping
+    out = []
+    for k, (pattern, matched) in enumerate(zip(mapping.replicated, m.replicated)):
+        kept = set(matched)
+        for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
+            if not isinstance(entry, (Column, Row)):
+                continue
+            clash = next((n for n in ns if any(n == r or n.startswith(r + ".") for r in kept)), None)
+            if clash is not None:
+                out.append(Diagnostic.at(loaded.source.value(("replicated", k)), "double-match",
+                                         f"replicated pattern {pattern!r} keeps {clash} whole, but entry {i} "
+                                         f"({entry.kind} {entry.module!r}, line "
+                                         f"{loaded.source.value(('entries', i, 'module')).line}) shards it; "
+                                         "remove one of them"))
+                break
+    return out
+
+
+def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str], model_names: list[str],
+                         prefix: str) -> list[Diagnostic]:
+    """A replicated pattern must match a module in at least one of the models built (a pooler, say,
+    exists in some classes only)."""
+    from tpmap.engine.plan import _suggest
+
+    return [
+        Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
+                      f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
+                      f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(pattern, names)}")
+        for k, pattern in enumerate(loaded.mapping.replicated) if k not in hit
+    ]
+
+
+def _kind(module) -> str:
+    cls = type(module)
+    return ("nn." if cls.__module__.startswith("torch.nn") else "") + cls.__name__
+
+
+def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+    """Column -> Row pairing, by the nearest weights around each sharded module.
+
+    Definition: the *weights* are the nn.Linear, Conv1D and nn.Embedding modules. For a Column
+    without gather_output, walk up its parents (within its repeated block; for a module outside the
+    blocks, up to the base model without the blocks) to the first one that holds other weights than
+    such Columns: one of those must be a Row, the module that takes split input and all-reduces. So
+    ``mlp.c_fc`` pairs with ``mlp.c_proj``; BERT's ``intermediate.dense`` pairs with the layer's
+    ``output.dense``. Symmetrically, a Row's nearest other weights must include such a Column.
+    Limits: the rule sees the module tree, not the data flow: a split output that reaches the wrong
+    Row of the same scope passes here and fails `tpmap verify`.
+    """
+    mapping = loaded.mapping
+    kinds = _covered_kinds()
+    weights = [n for n, mod in modules.items() if n and isinstance(mod, kinds)]
+    rows = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, Row) for n in ns}
+    cols = {n for e, ns in zip(mapping.entries, m.entries)
+            if isinstance(e, Column) and not e.gather_output for n in ns}
+    out = []
+    for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
+        if not isinstance(entry, (Column, Row)) or (isinstance(entry, Column) and entry.gather_output):
+            continue
+        same, partner = (cols, rows) if isinstance(entry, Column) else (rows, cols)
+        for name in ns:
+            block = block_of(name, blocks)
+            parts = name.split(".")
+            near: list[str] = []
+            scope = ""
+            for k in range(len(parts) - 1, -1, -1):
+                scope = ".".join(parts[:k])
+                if block is not None and len(scope) < len(block):
+                    break  # the block itself was the last scope
+                inside = [w for w in weights if w not in same and (not scope or w.startswith(scope + "."))
+                          and (block is not None or block_of(w, blocks) is None)]
+                if inside:
+                    near = inside
+                    break
+            if any(w in partner for w in near):
+                continue
+            where = (f"{generic(scope)}" if scope else "the base model outside the repeated blocks")
+            shown = ", ".join(f"{generic(w)} ({_kind(modules[w])})" for w in near[:3]) + (", ..." if len(near) > 3 else "")
+            if isinstance(entry, Column):
+                msg = (f"Column {generic(name)} leaves its output split, but no Row entry takes it: "
+                       + (f"the nearest other weights, in {where}, are {shown}, none a Row; make the one that "
+                          "consumes this output a Row" if near else f"{where} holds no other weight to be its Row")
+                       + ", or set gather_output: true")
+            else:
+                msg = (f"Row {generic(name)} expects its input split by a Column, but "
+                       + (f"the nearest other weights, in {where}, are {shown}, none a Column (without "
+                          "gather_output); add the Column that feeds it" if near
+                          else f"{where} holds no other weight to be its Column")
+                       + ", or remove this Row")
+            out.append(Diagnostic.at(loaded.source.value(("entries", i, "module")), "pairing", msg))
+            break  # one problem per entry
+    return out
+
+
+# -- the whole file --------------------------------------------------------------------------------
+class _Report:
+    """Collects diagnostics; a later model or world size adds only problems at a new (place, rule)
+    (for coverage: a new module)."""
+
+    def __init__(self):
+        self.items: list[Diagnostic] = []
+        self.places: set[tuple] = set()
+
+    def add(self, d: Diagnostic, label: str = "") -> None:
+        # coverage problems all point at `entries:`; they differ by the module they name
+        key = (d.path, d.line, d.col, d.rule) + ((d.message,) if d.rule == "coverage" else ())
+        if key in self.places:
+            return
+        self.places.add(key)
+        self.items.append(Diagnostic(d.path, d.line, d.col, d.rule, label + d.message) if label else d)
+
+    def add_errors(self, errors: Iterable[TpmapError], label: str = "") -> None:
+        for e in errors:
+            self.add(Diagnostic.from_error(e), label)
+
+
+def structural(loaded: LoadedMapping) -> list[Diagnostic]:
+    """Every problem of a mapping that passed the schema, found against the real model classes."""
+    import transformers
+
+    from tpmap.engine import plan as planning
+
+    mapping, src = loaded.mapping, loaded.source
+    report = _Report()
+    if mapping.model_type not in transformers.CONFIG_MAPPING:
+        report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
+                                 f"{mapping.model_type!r} is not a model_type of transformers {transformers.__version__}"
+                                 f"{did_you_mean(mapping.model_type, transformers.CONFIG_MAPPING)}"))
+        return report.items
+    try:
+        default = reduced_default_config(mapping.model_type)
+    except Exception as e:  # a config class rejecting its own defaults with 2 layers: reported, not hidden
+        report.add(Diagnostic.at(src.value(("model_type",)), "model-build",
+                                 f"the default config of {mapping.model_type!r} with at most 2 layers is rejected: "
+                                 f"{type(e).__name__}: {e}"))
+        return report.items
+
+    # the verify section: known classes of this model type, known config keys
+    classes: list[list] = []  # per verify spec: the classes that resolved
+    valid_keys = config_keys(default)
+    for v, spec in enumerate(mapping.verify):
+        found = []
+        for j, name in enumerate(spec.models):
+            cls = getattr(transformers, name, None) if name.isidentifier() else None
+            pos = src.value(("verify", v, "models", j))
+            config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+            if cls is None or not isinstance(cls, type) or not hasattr(cls, "base_model_prefix"):
+                report.add(Diagnostic.at(pos, "unknown-model-class",
+                                         f"{name!r} is not a transformers model class; use a class name such as "
+                                         f"{_example_class(type(default))}"))
+            elif config_type != mapping.model_type:
+                report.add(Diagnostic.at(pos, "unknown-model-class",
+                                         f"{name} is a model class for model_type {config_type!r}, not "
+                                         f"{mapping.model_type!r}"))
+            else:
+                found.append(cls)
+        classes.append(found)
+        for key in spec.config:
+            if key not in valid_keys and not any(_reads(c, key) for c in found):
+                report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
+                                         f"{type(default).__name__} has no attribute {key!r}"
+                                         f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
+    report.add_errors(planning.check_expressions(default, loaded))
+
+    replicated_hit: set[int] = set()
+    models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
+
+    def check(model, tp_size: int, label: str = "", structure: bool = True) -> None:
+        errors: list[TpmapError] = []
+        planning.build(model, loaded, tp_size, errors)
+        report.add_errors(errors, label)
+        if not structure:
+            return
+        base, prefix = planning.base_prefix(model)
+        modules = dict(base.named_modules())
+        names = [n for n in modules if n]
+        blocks = block_prefixes(base)
+        m = _Matches(loaded, names)
+        replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
+        models.append((type(model).__name__, names, prefix))
+        found = (replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m)
+                 + pairing(loaded, modules, blocks, m))
+        for d in found:
+            report.add(d, label)
+
+    def built(cls, config, v: int | None):
+        try:
+            return build_meta(cls, config)
+        except Exception as e:  # any failure of a transformers constructor: reported, never swallowed
+            which = "the default config" if v is None else f"the verify config {mapping.verify[v].name!r}"
+            pos = src.value(("model_type",)) if v is None else src.value(("verify", v, "config"))
+            report.add(Diagnostic.at(pos, "model-build", f"building {cls.__name__} from {which} failed: "
+                                                         f"{type(e).__name__}: {e}"))
+            return None
+
+    # the default config: structure with every class, then each declared world size
+    first = None
+    for cls in dict.fromkeys(c for found in classes for c in found):
+        model = built(cls, default, None)
+        if model is None:
+            continue
+        check(model, 1)
+        first = first or model
+    if first is not None:
+        for ws in mapping.world_sizes:
+            if ws != 1:
+                check(first, ws, f"world size {ws}: ", structure=False)
+
+    # the embedded tiny configs, as `tpmap verify` will run them
+    for v, (spec, found) in enumerate(zip(mapping.verify, classes)):
+        if not found:
+            continue
+        try:
+            config = transformers.AutoConfig.for_model(mapping.model_type, **spec.config)
+        except Exception as e:  # a config __init__ rejecting values: reported at the config
+            report.add(Diagnostic.at(src.value(("verify", v, "config")), "model-build",
+                                     f"the verify config {spec.name!r} is rejected: {type(e).__name__}: {e}"))
+            continue
+        model = built(found[0], config, v)
+        if model is None:
+            continue
+        check(model, 1, f"verify {spec.name!r}: ")
+        for ws in spec.world_sizes:
+            if ws != 1:
+                check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
+    if models:
+        for d in replicated_unmatched(loaded, replicated_hit, models[0][1],
+                                      list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
+            report.add(d)
+    return report.items
+
+
+def _reads(cls, name: str) -> bool:
+    """Whether the modeling source of `cls` names `name` (configs need not declare every attribute their
+    model reads, e.g. a `config.decoder_start_token_id` read by a seq2seq model)."""
+    import sys
+
+    source = _source(sys.modules[cls.__module__])
+    return re.search(rf"\b{re.escape(name)}\b", source) is not None
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def _source(module) -> str:
+    if module.__name__ not in _SOURCES:
+        _SOURCES[module.__name__] = inspect.getsource(module)
+    return _SOURCES[module.__name__]
+
+
+def _example_class(config_cls) -> str:
+    import transformers
+
+    stem = config_cls.__name__.removesuffix("Config")
+    for suffix in ("ForCausalLM", "Model", "ForMaskedLM"):
+        if hasattr(transformers, stem + suffix):
+            return stem + suffix
+    return stem + "Model"
