@@ -141,7 +141,7 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
         if shard.replicated_heads:
             p = model.get_parameter(shard.name)
             if p.requires_grad:
-                index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long, device=p.device)
+                index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)
                 p.register_hook(lambda g, s=shard, i=index: _sum_over_holders(g, s, i, group))
 
 
@@ -153,6 +153,7 @@ def _all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
 
 def _sum_over_holders(grad: torch.Tensor, shard: ParamShard, index: torch.Tensor, group) -> torch.Tensor:
     full = grad.new_zeros(shard.full_shape)
+    index = index.to(grad.device)  # the model may have moved to another device after apply
     full.index_copy_(shard.dim, index, grad)
     dist.all_reduce(full, group=group)
     return full.index_select(shard.dim, index)

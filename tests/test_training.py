@@ -45,11 +45,12 @@ def ids(case):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("case", LM_CLASSES, ids=ids)
 def test_gradients_equal_the_unsharded_slices(ranks, case, ws, dtype):
-    if dtype == torch.float32 and case[0] == "t5":
-        pytest.skip("T5's unscaled attention saturates at init std 0.2: fp32 noise reaches 1.1e-4; fp64 covers it")
+    # T5's unscaled attention saturates its softmax at init std 0.2, which amplifies fp32 rounding:
+    # measured 1.1e-4, so its fp32 bound is 1e-3 (fp64 holds it to 1e-9 like every other model)
+    rtol = GRAD_RTOL[dtype] * (10 if dtype == torch.float32 and case[0] == "t5" else 1)
     for r in ranks(ws).run(rank_cases.grad_case, *case, False, dtype):
         assert r["checked"] > 10
-        assert r["worst_rel"] <= GRAD_RTOL[dtype], r
+        assert r["worst_rel"] <= rtol, r
         assert r["loss_diff"] <= 1e-5 * max(1.0, abs(r["loss"])), r
 
 
