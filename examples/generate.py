@@ -40,6 +40,7 @@ def main() -> None:
     if args.check:
         same = torch.equal(tokens, full.generate(prompt, **kwargs))
         print(f"rank {rank}: matches the unsharded model: {same}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

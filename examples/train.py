@@ -52,6 +52,7 @@ def main() -> None:
         # the unsharded state dict under the original names: a standard transformers checkpoint
         print(f"saving {len(state)} tensors to {args.save}", flush=True)
         AutoModelForCausalLM.from_config(model.config).save_pretrained(args.save, state_dict=state)
+    dist.barrier()  # let rank 0 finish writing before any rank tears the group down
     dist.destroy_process_group()
 
 
