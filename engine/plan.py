@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from tpmap.errors import (
     did_you_mean,
 )
 from tpmap.loader import LoadedMapping
-from tpmap.schema import Column, Row, Update
+from tpmap.schema import Column, Update
 
 Pieces = tuple[tuple[int, int], ...]
 
@@ -95,9 +95,6 @@ class Plan:
     source: str = ""  # mapping file
     grad_allreduce: tuple[str, ...] = ()  # replicated parameters whose gradients are summed over ranks
     vocab_size: int | None = None  # when vocab-parallel: the real (unpadded) vocabulary size
-
-    def module(self, name: str) -> ModuleShard:
-        return next(m for m in self.modules if m.name == name)
 
     @property
     def params(self) -> dict[str, ParamShard]:
