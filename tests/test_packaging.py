@@ -18,5 +18,6 @@ def test_wheel_contents(tmp_path):
     assert not any(n.startswith("engine/") for n in names)
     shipped = {p.name for p in (ROOT / "mappings").glob("*.yaml")}
     assert shipped and {f"tpmap/mappings/{n}" for n in shipped} <= names
+    assert "tpmap/mappings/mapping.schema.json" in names  # what each YAML's $schema line points at
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "tpmap = tpmap.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

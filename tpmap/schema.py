@@ -221,6 +221,6 @@ class Mapping(_Strict):
 
 def json_schema() -> dict:
     """The JSON Schema of a mapping file, generated from `Mapping` (what `tpmap schema` prints and
-    ``tpmap/mapping.schema.json``, referenced by the shipped YAML files, holds)."""
+    ``mappings/mapping.schema.json``, beside the shipped YAML files that reference it, holds)."""
     schema = Mapping.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "tpmap mapping file"}

@@ -198,9 +198,9 @@ def test_schema_command(capsys):
 def test_shipped_schema_file_is_current_and_referenced():
     from tpmap.schema import json_schema
 
-    shipped = json.loads((ROOT / "tpmap" / "mapping.schema.json").read_text())
-    assert shipped == json_schema(), "regenerate it: tpmap schema > tpmap/mapping.schema.json"
+    shipped = json.loads((ROOT / "mappings" / "mapping.schema.json").read_text())
+    assert shipped == json_schema(), "regenerate it: tpmap schema > mappings/mapping.schema.json"
     for f in sorted((ROOT / "mappings").glob("*.yaml")):
         first = f.read_text().splitlines()[0]
-        assert first == "# yaml-language-server: $schema=../tpmap/mapping.schema.json", f
-        assert (f.parent / first.split("=", 1)[1]).resolve() == (ROOT / "tpmap" / "mapping.schema.json").resolve()
+        assert first == "# yaml-language-server: $schema=mapping.schema.json", f  # beside it, in source and wheel
+        assert (f.parent / first.split("=", 1)[1]).resolve() == (ROOT / "mappings" / "mapping.schema.json").resolve()
