@@ -134,27 +134,37 @@ class VocabParallelEmbedding(_TPModule):
 class VocabParallelLMHead(_TPModule):
     """The LM head split along the vocabulary: rank r computes logits for its rows, Z_r = H W_r^T + b_r.
 
-    By default the logits are all-gathered and cut to the real vocabulary, so padded logits never
-    reach outputs: (B, T, H) -> (B, T, V). With ``gather_output = False`` (loss_parallel) the output
-    stays (B, T, V_pad/ws) for `engine.loss.vocab_parallel_cross_entropy`, which masks the padding.
+    The logits are all-gathered and cut to the real vocabulary, so padded logits never reach outputs:
+    (B, T, H) -> (B, T, V). With ``loss_parallel`` set, in training mode they stay split,
+    (B, T, V_pad/ws), for `engine.loss.vocab_parallel_cross_entropy`, which masks the padding; in eval
+    mode (generate, evaluation) they are gathered all the same.
     """
 
     def __init__(self, weight, bias, *, vocab_start: int, vocab_end: int, vocab_size: int, group):
         super().__init__(group)
         self.weight, self.bias = weight, bias
         self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
-        self.gather_output = True
+        self.loss_parallel = False
+        self.loss_calls = 0  # counted by the loss_parallel loss function (see tpmap.api)
         self.in_features, self.out_features = weight.shape[1], vocab_size
 
     def forward(self, x):  # (B, T, H) -> (B, T, V), or (B, T, V_pad/ws) local
         logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
-        if not self.gather_output:
+        if self.loss_parallel and self.training:
             return logits
         return gather_from_tp_region(logits, self.tp_group)[..., : self.vocab_size]
 
+    def local_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's (padded) shard of logits that may have been gathered: (..., V) -> (..., V_pad/ws)."""
+        if logits.shape[-1] == self.weight.shape[0] and logits.shape[-1] != self.vocab_size:
+            return logits
+        local = logits[..., self.vocab_start : self.vocab_end]
+        pad = self.weight.shape[0] - local.shape[-1]
+        return F.pad(local, (0, pad)) if pad else local
+
     def extra_repr(self) -> str:
         return (f"rows [{self.vocab_start}, {self.vocab_end}) of {self.vocab_size}, local={tuple(self.weight.shape)}, "
-                f"gather_output={self.gather_output}")
+                f"loss_parallel={self.loss_parallel}")
 
 
 TP_MODULES = (ColumnParallelLinear, RowParallelLinear, ColumnParallelEmbedding, VocabParallelEmbedding,

@@ -47,13 +47,16 @@ class _VocabParallelCE(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_end: int,
-                                 group=None, ignore_index: int = -100, num_items_in_batch=None) -> torch.Tensor:
-    """Mean (or sum / num_items_in_batch) cross-entropy of local logits (..., V_local) against target (...)."""
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, head, ignore_index: int = -100,
+                                 num_items_in_batch=None) -> torch.Tensor:
+    """Mean (or sum / num_items_in_batch) cross-entropy against target (...) of a `VocabParallelLMHead`'s
+    logits: its local shard (..., V_pad/ws), or gathered logits (..., V), of which this rank's part is used."""
+    logits = head.local_logits(logits)
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1).to(logits.device)
     keep = target != ignore_index
-    per_token = _VocabParallelCE.apply(logits, target.masked_fill(~keep, 0), vocab_start, vocab_end, group)
+    per_token = _VocabParallelCE.apply(logits, target.masked_fill(~keep, 0), head.vocab_start, head.vocab_end,
+                                       head.tp_group)
     total = (per_token * keep).sum()
     if num_items_in_batch is not None:
         return total / num_items_in_batch
@@ -72,11 +75,9 @@ def hf_loss_function(original, head):
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
         head.loss_calls += 1
-        if shift and shift_labels is None:
-            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        elif shift:
-            labels = shift_labels
-        return vocab_parallel_cross_entropy(logits, labels, head.vocab_start, head.vocab_end, head.tp_group,
-                                            ignore_index, num_items_in_batch)
+        if shift:
+            labels = shift_labels if shift_labels is not None else (
+                torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:])
+        return vocab_parallel_cross_entropy(logits, labels, head, ignore_index, num_items_in_batch)
 
     return loss_function

@@ -260,7 +260,7 @@ def rng_region_case() -> dict:
 
 
 def generate_case(ref: str, verify_index: int, class_name: str, cache: str | None = None,
-                  new_tokens: int = 20) -> dict:
+                  new_tokens: int = 20, loss_parallel: bool = False) -> dict:
     """Greedy generate, batch 2 left-padded: the same tokens as the unsharded model on every rank."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
@@ -277,7 +277,7 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
     if cache is not None:
         kwargs["cache_implementation"] = cache
     want = full.generate(ids, **kwargs)
-    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
     got = sharded.generate(ids, **kwargs)
     everyone = [torch.empty_like(got) for _ in range(ws)]
     dist.all_gather(everyone, got.contiguous())
@@ -295,19 +295,24 @@ def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
     full = verify.build_model(ref, verify_index, class_name)
     inputs, _ = loss_kwargs(full, verify.example_inputs(full.config))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=True)
+    zero_dropout_(sharded)
+    sharded.train()  # loss_parallel keeps the logits split in training mode
     out_full = full(**inputs)
     out_full.loss.backward()
+    refusal = ""
     try:
         out = sharded(**inputs)
         loss, path, logits = out.loss, "labels", out.logits
     except tpmap.LossParallelError as e:
+        refusal = str(e)
         labels = inputs.pop("labels")
         if getattr(full.config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = full.prepare_decoder_input_ids_from_labels(labels=labels)
         logits = sharded(**inputs).logits
         loss, path = tpmap.vocab_parallel_cross_entropy(sharded, logits, labels), f"explicit ({e.__class__.__name__})"
     loss.backward()
-    return {"path": path, "loss_diff": abs(loss.item() - out_full.loss.item()), "loss": out_full.loss.item(),
+    return {"path": path, "refusal": refusal, "loss_diff": abs(loss.item() - out_full.loss.item()),
+            "loss": out_full.loss.item(),
             "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size, **_grad_report(full, sharded, rank)}
 
 

@@ -118,9 +118,17 @@ LOSS_PATHS = {  # how each head's loss is computed under loss_parallel
 def test_loss_parallel_equals_the_unsharded_loss(ranks, case, ws):
     for r in ranks(ws).run(rank_cases.loss_parallel_case, *case):
         assert r["path"] == LOSS_PATHS[case[2]], r
+        if r["path"] != "labels":  # refused labels, and said what to do instead
+            assert "tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels)" in r["refusal"], r
         assert r["local_vocab"] == -(-r["full_vocab"] // ws)  # the logits stayed split (padded)
         assert r["loss_diff"] <= 1e-5 * max(1.0, r["loss"]), r
         assert r["worst_rel"] <= GRAD_RTOL[torch.float32] * (10 if case[0] == "t5" else 1), r
+
+
+def test_a_loss_parallel_model_still_generates_the_same_tokens(ranks):
+    """In eval mode the vocabulary-sharded logits are gathered: generate is unaffected by loss_parallel."""
+    for r in ranks(2).run(rank_cases.generate_case, "gpt2", 0, "GPT2LMHeadModel", None, 20, True):
+        assert r["same_as_full"] and r["ranks_agree"], r
 
 
 def test_loss_parallel_without_a_vocab_sharded_head(ranks):

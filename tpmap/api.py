@@ -1,12 +1,12 @@
 """`tpmap.apply`: make a transformers model tensor-parallel in place, on every rank."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
-
-import torch
 
 from .errors import AlreadyAppliedError, InputMismatchError, LossParallelError, MappingError, ProcessGroupError
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
@@ -70,10 +70,11 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     Every check happens before the model is touched, so an error leaves it exactly as it was.
     world_size 1 validates the mapping and returns the model unchanged.
 
-    * ``loss_parallel``: keep the LM head's logits split along the vocabulary and compute the
-      cross-entropy on the shards (needs ``vocab_parallel.lm_head`` in the mapping). A transformers
-      causal-LM or masked-LM loss (``labels=...``) is computed that way; a model that computes its loss
-      otherwise raises instead of returning a wrong loss. ``outputs.logits`` are then this rank's shard.
+    * ``loss_parallel``: in training mode, keep the LM head's logits split along the vocabulary and
+      compute the cross-entropy on the shards (needs ``vocab_parallel.lm_head`` in the mapping). A
+      transformers causal-LM or masked-LM loss (``labels=...``) is computed that way; a model that
+      computes its loss otherwise raises instead of returning a wrong loss. ``outputs.logits`` are then
+      this rank's shard. In eval mode (generate, evaluation) the logits are gathered as usual.
     * ``check_inputs``: every forward first compares a fingerprint of input_ids / decoder_input_ids /
       attention_mask / labels across ranks (one tiny all-gather) and raises `InputMismatchError` if
       they differ, instead of hanging or computing garbage.
@@ -148,8 +149,7 @@ def _same_inputs_on_every_rank(group):
 def _use_loss_parallel(model: nn.Module, head) -> None:
     from tpmap.engine.loss import hf_loss_function
 
-    head.gather_output = False
-    head.loss_calls = 0
+    head.loss_parallel = True
     replacement = hf_loss_function(model.loss_function, head)
     if replacement is not None:
         model.loss_function = replacement
@@ -158,6 +158,7 @@ def _use_loss_parallel(model: nn.Module, head) -> None:
                "sharded logits, so that loss would be wrong. With loss_parallel, call the model without labels and "
                "use tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels).")
 
+    @functools.wraps(forward)  # keeps the signature transformers inspects (e.g. for logits_to_keep)
     def forward_with_loss_check(*args, **kwargs):
         # labels given but the loss not computed by our loss_function: refuse rather than return a wrong loss
         calls = head.loss_calls
@@ -177,14 +178,15 @@ def _use_loss_parallel(model: nn.Module, head) -> None:
 
 def vocab_parallel_cross_entropy(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor,
                                  ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of a loss_parallel model's vocabulary-sharded logits (no label shift)."""
+    """Mean cross-entropy of a vocabulary-parallel model's logits (no label shift), computed on this
+    rank's vocabulary shard: local logits (loss_parallel in training mode) or gathered ones."""
     from tpmap.engine.layers import VocabParallelLMHead
     from tpmap.engine.loss import vocab_parallel_cross_entropy as ce
 
-    head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead) and not m.gather_output), None)
+    head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead)), None)
     if head is None:
-        raise LossParallelError("the model has no vocabulary-sharded LM head: apply it with loss_parallel=True")
-    return ce(logits, labels, head.vocab_start, head.vocab_end, head.tp_group, ignore_index)
+        raise LossParallelError("the model has no vocabulary-sharded LM head (vocab_parallel.lm_head in its mapping)")
+    return ce(logits, labels, head, ignore_index)
 
 
 def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
