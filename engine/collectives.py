@@ -62,8 +62,21 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
-    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward.
+
+    Several Columns reading the same tensor (q, k and v; gate and up) share one copy, so their input
+    gradients are summed first and all-reduced once, as with Megatron's fused QKV layer (the sum of
+    all-reduces is the all-reduce of the sum). Without autograd there is nothing to do.
+    """
+    if _world(group) == 1 or not (x.requires_grad and torch.is_grad_enabled()):
+        return x
+    shared = getattr(x, "_tpmap_copy", None)
+    if shared is not None and shared[0] is group:
+        return shared[1]
+    y = _CopyToTP.apply(x, group)
+    if x.grad_fn is not None:  # an activation of this forward; a user's leaf may outlive its graph
+        x._tpmap_copy = (group, y)
+    return y
 
 
 def reduce_from_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -329,3 +329,24 @@ def mismatched_inputs_case(ref: str, class_name: str) -> dict:
     except tpmap.InputMismatchError as e:
         return {"error": "InputMismatchError", "message": str(e)}
     return {"error": None, "message": ""}
+
+
+def backward_all_reduce_count(ref: str, class_name: str) -> dict:
+    """How many all-reduces one backward pass issues (the real collective, counted on the way through)."""
+    ws = dist.get_world_size()
+    model = tpmap.apply(verify.build_model(ref, 0, class_name), ws)
+    inputs, _ = loss_kwargs(model, verify.example_inputs(model.config))
+    loss = model(**inputs).loss
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        loss.backward()
+    finally:
+        dist.all_reduce = real
+    return {"calls": len(calls), "layers": model.config.num_hidden_layers}

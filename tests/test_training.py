@@ -141,6 +141,12 @@ def test_ranks_with_different_inputs_raise_instead_of_hanging(ranks):
         assert r["error"] == "InputMismatchError" and "ranks [1]" in r["message"]
 
 
+def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
+    """q/k/v share one input all-reduce in backward, and so do gate/up: 2 per layer, +1 for the LM head."""
+    for r in ranks(2).run(rank_cases.backward_all_reduce_count, "llama", "LlamaForCausalLM"):
+        assert r["calls"] == 2 * r["layers"] + 1, r
+
+
 def test_training_configs_are_the_verified_ones():
     """The cases above use the first embedded config of each mapping, which verify also proves."""
     for ref, index, cls in LM_CLASSES:
