@@ -79,6 +79,7 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":
         order = gather_order(ms.weight) if ms.gather_output else None
+        order = order.to(old.weight.device) if order is not None else None
         new = ColumnParallelLinear(weight, bias, reverse=ms.reverse, group=group,
                                    gather_order=order, gather_output=ms.gather_output)
     else:

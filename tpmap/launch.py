@@ -4,7 +4,7 @@ Starting a gloo process group with transformers imported costs seconds per proce
 starts ``world_size`` processes once and then runs any number of functions on all of them:
 
     with RankPool(4) as pool:
-        results = pool.run(my_module.case, "llama", timeout=120)   # one result per rank
+        results = pool.run(my_module.case, "some argument", timeout=120)   # one result per rank
 
 The function must be importable by name (defined at module top level); it runs on every rank with
 ``torch.distributed`` initialised (gloo). A rank that raises, dies or does not answer in time makes
