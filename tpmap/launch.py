@@ -86,11 +86,9 @@ class RankPool:
         self._collect("ready", self.start_timeout, "starting the process group")
 
     def close(self) -> None:
-        for q in getattr(self, "_tasks", []):
-            try:
+        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+            if p.pid is not None and p.is_alive():  # ask live ranks to leave their loop; the rest are killed
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 5
         for p in self._procs:
             if p.pid is not None:
