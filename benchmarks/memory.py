@@ -1,12 +1,14 @@
 """Per-rank parameter bytes of a Llama-shaped model with a 128k vocabulary, with and without the
 vocabulary-parallel embedding and LM head. Computed from tpmap's plan on the meta device (no memory
-is allocated, nothing is guessed): every parameter's local shape on rank 0.
+is allocated, nothing is guessed): every parameter's local shape on rank 0. Also times building the
+plan (all checks, 32 layers, 291 parameters) for each world size.
 
     python benchmarks/memory.py [--dtype-bytes 2] [--world-sizes 1 2 4 8]
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
@@ -42,11 +44,14 @@ def main() -> None:
                                          with_vocab.source, with_vocab.data)
     full = sum(p.numel() for p in model.parameters()) * args.dtype_bytes
     print(f"Llama-shaped, vocabulary 128256, {args.dtype_bytes}-byte parameters; full model {full / 2**30:.2f} GiB")
-    print(f"{'ws':>3} {'vocab-parallel GiB/rank':>24} {'replicated emb+head GiB/rank':>29} {'saved':>8}")
+    print(f"{'ws':>3} {'vocab-parallel GiB/rank':>24} {'replicated emb+head GiB/rank':>29} {'saved':>8} "
+          f"{'plan ms':>8}")
     for ws in args.world_sizes:
+        t0 = time.perf_counter()
         a = rank0_bytes(model, ws, with_vocab, args.dtype_bytes)
+        plan_ms = (time.perf_counter() - t0) * 1e3
         b = rank0_bytes(model, ws, without_vocab, args.dtype_bytes)
-        print(f"{ws:>3} {a / 2**30:>24.3f} {b / 2**30:>29.3f} {(b - a) / 2**30:>7.3f}G")
+        print(f"{ws:>3} {a / 2**30:>24.3f} {b / 2**30:>29.3f} {(b - a) / 2**30:>7.3f}G {plan_ms:>8.1f}")
 
 
 if __name__ == "__main__":
