@@ -94,7 +94,6 @@ class Plan:
     updates: tuple[AttributeUpdate, ...]
     source: str = ""  # mapping file
     grad_allreduce: tuple[str, ...] = ()  # replicated parameters whose gradients are summed over ranks
-    vocab_size: int | None = None  # when vocab-parallel: the real (unpadded) vocabulary size
 
     @property
     def params(self) -> dict[str, ParamShard]:
@@ -359,16 +358,15 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[Tp
             errors.append(e)
     _check_ties(model, {p for m in shards for p in (m.weight.name, m.bias and m.bias.name) if p}, owner, loaded,
                 errors)
-    vocab_size, grad_allreduce = None, []
+    grad_allreduce = []
     try:
-        vocab_size, grad_allreduce = _whole_model_features(model, loaded, tp_size, owner, shards, names, modules,
-                                                           prefix)
+        grad_allreduce = _whole_model_features(model, loaded, tp_size, owner, shards, names, modules, prefix)
     except TpmapError as e:
         if errors is None:
             raise
         errors.append(e)
     return Plan(mapping.model_type, tp_size, prefix, tuple(shards), tuple(updates), loaded.source.path,
-                tuple(dict.fromkeys(grad_allreduce)), vocab_size)
+                tuple(dict.fromkeys(grad_allreduce)))
 
 
 def _located(cls, position: Position, message: str, rule: str) -> TpmapError:
@@ -379,13 +377,10 @@ def _located(cls, position: Position, message: str, rule: str) -> TpmapError:
 
 
 def _whole_model_features(model, loaded, tp_size, owner, shards, names, modules, prefix):
-    """vocab_parallel (appends its ModuleShards) and grad_allreduce: (vocab size or None, parameter names)."""
+    """vocab_parallel (appends its ModuleShards to `shards`) and grad_allreduce (returns parameter names)."""
     mapping = loaded.mapping
-    vocab_size = None
     if mapping.vocab_parallel is not None:
-        vocab_shards = _vocab_parallel(model, mapping.vocab_parallel, tp_size, owner, loaded)
-        shards.extend(vocab_shards)
-        vocab_size = vocab_shards[0].weight.full_shape[0] if vocab_shards else None
+        shards.extend(_vocab_parallel(model, mapping.vocab_parallel, tp_size, owner, loaded))
     grad_allreduce = []
     for pattern in mapping.grad_allreduce:
         hits = match(pattern, names)
@@ -402,7 +397,7 @@ def _whole_model_features(model, loaded, tp_size, owner, shards, names, modules,
                                    f"{full} is sharded by entry {owner[full]}; grad_allreduce is for parameters "
                                    "kept whole", "double-match")
                 grad_allreduce.append(full)
-    return vocab_size, grad_allreduce
+    return grad_allreduce
 
 
 def vocab_pieces(vocab: int, tp_size: int) -> tuple[tuple[Pieces, ...], int]:
@@ -416,6 +411,7 @@ def vocab_pieces(vocab: int, tp_size: int) -> tuple[tuple[Pieces, ...], int]:
 
 
 def _names_of(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in the model (tied parameters have several)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
@@ -441,13 +437,13 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
     pieces, per_rank = vocab_pieces(vocab, tp_size)
     shards = []
 
-    def shard_of(param, dim=0) -> ParamShard:
+    def shard_of(param) -> ParamShard:
         names = by_id[id(param)]
         for n in names:
             if n in owner:
                 raise _located(PatternMatchError, pos, f"{n} is in the vocabulary split and also claimed by entry "
                                f"{owner[n]}", "double-match")
-        return ParamShard(names[0], tuple(param.shape), dim, pieces, False, per_rank, tuple(names[1:]))
+        return ParamShard(names[0], tuple(param.shape), 0, pieces, False, per_rank, tuple(names[1:]))
 
     if emb is not None:
         weight = shard_of(emb.weight)
@@ -560,10 +556,7 @@ def check_expressions(config: PretrainedConfig, loaded: LoadedMapping) -> list[T
 def _check_ties(model: nn.Module, sharded: set[str], owner: dict[str, int], loaded: LoadedMapping,
                 errors: list[TpmapError] | None = None) -> None:
     """A sharded parameter must not also be used, tied, by a module that stays whole."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for names in by_id.values():
+    for names in _names_of(model).values():
         if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
             message = (f"parameter {names[0]} is tied to {', '.join(names[1:])}; shard all of them "
                        "with the same entry or none")

@@ -85,7 +85,6 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
     else:
         new = RowParallelLinear(weight, bias, reverse=ms.reverse, group=group)
     new.train(old.training)
-    new.tp_source_class = type(old).__name__
     return new
 
 
