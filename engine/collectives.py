@@ -4,6 +4,11 @@ for a group of size 1. Shapes: the split is always along the last dim (features)
     copy_to_tp_region      forward: identity          backward: all-reduce (sum)
     reduce_from_tp_region  forward: all-reduce (sum)  backward: identity
     gather_from_tp_region  forward: all-gather        backward: keep this rank's slice of the grad
+    sum_over_tp_region     forward: all-reduce (sum)  backward: all-reduce (sum)
+
+The last is for a statistic summed over split features (a Norm's sum of squares) that every rank
+then uses for its own features only: each rank's loss depends on the total through its own slice, so
+the total's gradient is the sum of every rank's, and each rank's term receives all of it.
 """
 from __future__ import annotations
 
@@ -61,6 +66,17 @@ class _GatherFromTP(torch.autograd.Function):
         return grad[..., start : start + ctx.local].contiguous(), None, None, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward.
 
@@ -89,3 +105,8 @@ def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | Non
     if _world(group) == 1:
         return x
     return _GatherFromTP.apply(x, group, dist.get_rank(group), order)
+
+
+def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a partial statistic over the ranks whose results stay rank-local: all-reduce both ways."""
+    return x if _world(group) == 1 else _SumOverTP.apply(x, group)

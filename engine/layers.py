@@ -12,7 +12,7 @@ from torch import nn
 import torch.distributed as dist
 
 from . import rng
-from .collectives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
+from .collectives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, sum_over_tp_region
 
 
 class _TPModule(nn.Module):
@@ -167,5 +167,47 @@ class VocabParallelLMHead(_TPModule):
                 f"loss_parallel={self.loss_parallel}")
 
 
+class ShardedNorm(_TPModule):
+    """RMSNorm / LayerNorm over a feature dim split over the ranks, exact (the Norm entry).
+
+    rms:   y = x / sqrt(sum_r sum(x_r^2) / F + eps) * w_r
+    layer: mu = sum_r sum(x_r) / F;  y = (x - mu) / sqrt(sum_r sum((x_r - mu)^2) / F + eps) * w_r + b_r
+    The sums go through sum_over_tp_region (all-reduce forward and backward). As transformers' norms,
+    it computes in float32 and returns the input dtype. x_r (..., F/ws) -> y_r (..., F/ws).
+
+    Example (2 ranks): OLMo2's q_norm over 12 heads x 8 becomes weight (48,) per rank, reading q_r (B, T, 48).
+    """
+
+    def __init__(self, weight, bias, *, statistic: str, eps: float, features: int, group):
+        super().__init__(group)
+        self.weight, self.bias = weight, bias
+        self.statistic, self.eps, self.features = statistic, eps, features
+
+    def forward(self, x):  # (..., F/ws) -> (..., F/ws)
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        if self.statistic == "layer":
+            h = h - sum_over_tp_region(h.sum(-1, keepdim=True), self.tp_group) / self.features
+        variance = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.tp_group) / self.features
+        h = h * torch.rsqrt(variance + self.eps)
+        y = self.weight * h
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.statistic}, local={tuple(self.weight.shape)} of {self.features}, eps={self.eps}"
+
+
+class RankModuleList(nn.ModuleList):
+    """This rank's items of a ModuleList (a Param entry on a per-head list), under their original indices,
+    so state-dict names stay those of the full model. Iterate it (zip, for); do not index it by position."""
+
+    def __init__(self, items: dict[int, nn.Module]):
+        super().__init__()
+        for index, module in items.items():
+            self.add_module(str(index), module)
+
+
 TP_MODULES = (ColumnParallelLinear, RowParallelLinear, ColumnParallelEmbedding, VocabParallelEmbedding,
-              VocabParallelLMHead)
+              VocabParallelLMHead, ShardedNorm)

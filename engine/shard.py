@@ -4,9 +4,13 @@ All new modules are built before the first swap, and building only reads the mod
 building leaves the model as it was. Swapping and setting attributes cannot fail on user input (the
 plan already checked it).
 
+Bare tensors (Param) are cut in place, and the entries that change what a module's forward sees or
+returns (Reduce, Input) become forward hooks on the unchanged module, so state-dict names never change.
+
 Also here, because they follow from the plan alone: gradient hooks for parameters whose gradient
-is partial on each rank (replicated KV heads, `grad_allreduce` modules), and `full_tensor`, the
-inverse of `take`, which gathers a sharded parameter back into the full tensor.
+is partial on each rank (replicated KV heads, `grad_allreduce` modules) or must stay on one rank
+(partial Params), and `full_tensor`, the inverse of `take`, which gathers a sharded parameter back
+into the full tensor.
 """
 from __future__ import annotations
 
@@ -16,18 +20,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import copy_to_tp_region, reduce_from_tp_region
 from .layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
+    RankModuleList,
     RowParallelLinear,
+    ShardedNorm,
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from .plan import ModuleShard, ParamShard, Plan, _resolve_attr
+from .plan import InputSlice, ModuleShard, ParamShard, Plan, resolve_attr
 
 
 def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
-    """This rank's slice of a full tensor, as a new contiguous tensor (zero-padded to local_size)."""
+    """This rank's slice of a full tensor, as a new contiguous tensor (zero-padded to local_size).
+    A partial tensor is whole on rank 0 and zeros on the others."""
+    if shard.partial:
+        return full.detach().clone() if rank == 0 else torch.zeros_like(full.detach())
     if shard.dim is None:
         return full.detach().clone()
     parts = [full.narrow(shard.dim, s, n) for s, n in shard.pieces[rank]]
@@ -42,6 +52,10 @@ def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
 
 def full_tensor(local: torch.Tensor, shard: ParamShard, group=None) -> torch.Tensor:
     """The full tensor from every rank's slice (a collective: call it on every rank)."""
+    if shard.partial:  # rank 0 holds it
+        full = local.detach().clone()
+        dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return full
     if shard.dim is None:
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(len(shard.pieces))]
@@ -75,6 +89,9 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         start, n = ms.weight.pieces[rank][0]
         new = VocabParallelLMHead(weight, bias, vocab_start=start, vocab_end=start + n,
                                   vocab_size=ms.weight.full_shape[0], group=group)
+    elif ms.style == "norm":
+        new = ShardedNorm(weight, bias, statistic=ms.statistic, eps=ms.eps, features=ms.weight.full_shape[0],
+                          group=group)
     elif isinstance(old, nn.Embedding):
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":
@@ -97,9 +114,17 @@ def execute(model: nn.Module, plan: Plan, rank: int, group) -> None:
         return new_params[id(full)]
 
     new = {ms.name: _build(model.get_submodule(ms.name), ms, rank, group, param) for ms in plan.modules}
+    cut = [(t, _cut(model, t, rank, param)) for t in plan.tensors]
     aliases = [(n, model.get_parameter(n)) for p in plan.params.values() if p.aliases for n in (p.name, *p.aliases)]
     for name, module in new.items():
         model.set_submodule(name, module)
+    for t, value in cut:
+        owner, _, attr = t.name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, value)
+    for name in plan.reduces:
+        _reduce_output(model.get_submodule(name), group)
+    for input_slice in plan.inputs:
+        _slice_input(model.get_submodule(input_slice.module), input_slice, rank)
     for alias, old in aliases:  # other holders of a sharded tensor (e.g. a head's tied bias) see the shard
         owner, _, attr = alias.rpartition(".")
         module = model.get_submodule(owner)
@@ -107,6 +132,73 @@ def execute(model: nn.Module, plan: Plan, rank: int, group) -> None:
             setattr(module, attr, new_params[id(old)])
     _set_attributes(model, plan, rank)
     _register_grad_hooks(model, plan, group)
+
+
+def _cut(model: nn.Module, t: ParamShard, rank: int, param):
+    """This rank's part of a Param tensor: a new Parameter, a new buffer, or a RankModuleList."""
+    owner, _, attr = t.name.rpartition(".")
+    old = getattr(model.get_submodule(owner), attr)
+    if t.holder == "parameter":
+        return param(old, t)
+    if t.holder == "buffer":
+        return take(old, t, rank)
+    return RankModuleList({i: old[i] for i in t.indices(rank)})
+
+
+def _floating(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _reduce_output(module: nn.Module, group) -> None:
+    """Reduce: floating inputs enter the TP region (gradient all-reduced), the output is summed."""
+    def enter(_, args, kwargs):
+        args = tuple(copy_to_tp_region(a, group) if _floating(a) else a for a in args)
+        kwargs = {k: copy_to_tp_region(v, group) if _floating(v) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def leave(_, args, output):
+        if isinstance(output, torch.Tensor):
+            return reduce_from_tp_region(output, group)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (reduce_from_tp_region(output[0], group),) + output[1:]
+        raise TypeError(f"{type(module).__name__} under a Reduce entry returned {type(output).__name__}; "
+                        "Reduce sums a tensor output (or the first tensor of a tuple)")
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
+def _slice_input(module: nn.Module, spec: InputSlice, rank: int) -> None:
+    """Input: keep this rank's heads of one forward argument (a dim of size 1 broadcasts: left whole)."""
+    heads = spec.head_index[rank]
+    start, n = heads[0], len(heads)  # a rank's heads are contiguous
+
+    def cut(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        dim = spec.dim % t.dim()
+        size = t.shape[dim]
+        if size == 1:
+            return t
+        if spec.flattened:
+            if size % spec.heads:
+                raise RuntimeError(f"{spec.module}({spec.argument}): dim {spec.dim} has {size} entries, not batch x "
+                                   f"{spec.heads} heads; check the mapping's Input entry {spec.entry}")
+            view = t.unflatten(dim, (size // spec.heads, spec.heads))
+            return view.narrow(dim + 1, start, n).flatten(dim, dim + 1)
+        if size != spec.heads:
+            raise RuntimeError(f"{spec.module}({spec.argument}): dim {spec.dim} has {size} entries, not the "
+                               f"{spec.heads} heads of the mapping's Input entry {spec.entry}")
+        return t.narrow(dim, start, n)
+
+    def hook(_, args, kwargs):
+        if spec.argument in kwargs:
+            kwargs = {**kwargs, spec.argument: cut(kwargs[spec.argument])}
+        elif spec.position < len(args):
+            args = args[:spec.position] + (cut(args[spec.position]),) + args[spec.position + 1:]
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _set_attributes(model: nn.Module, plan: Plan, rank: int) -> None:
@@ -122,7 +214,7 @@ def _set_attributes(model: nn.Module, plan: Plan, rank: int) -> None:
             if id(original) not in config_copies:
                 config_copies[id(original)] = copy.copy(original)
             setattr(owner, cfg_attr, config_copies[id(original)])
-        owner, attr, _ = _resolve_attr(module, u.attribute)
+        owner, attr, _ = resolve_attr(module, u.attribute)
         setattr(owner, attr, u.values[rank])
 
 
@@ -138,7 +230,11 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
         if p.requires_grad:
             p.register_hook(lambda g: _all_reduced(g, group))
     for shard in plan.params.values():
-        if shard.replicated_heads:
+        if shard.partial and dist.get_rank(group) != 0:  # kept on rank 0 only: the others stay zero
+            p = model.get_parameter(shard.name)
+            if p.requires_grad:
+                p.register_hook(torch.zeros_like)
+        if shard.replicated_heads and shard.holder == "parameter":
             p = model.get_parameter(shard.name)
             if p.requires_grad:
                 index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)

@@ -133,7 +133,7 @@ def _valid_keys(model_cls, data_loc: tuple, data: Any) -> list[str]:
         return list(schema.Verify.model_fields)
     if parent[0] == "entries" and len(parent) >= 2:
         entry = data["entries"][parent[1]] if isinstance(data.get("entries"), list) else {}
-        cls = {"Column": schema.Column, "Row": schema.Row, "Update": schema.Update}.get(
+        cls = schema.KIND_CLASSES.get(
             entry.get("kind") if isinstance(entry, dict) else None
         )
         if cls is None:

@@ -1,6 +1,7 @@
 """The mapping schema: one YAML file per `config.model_type`, validated by these pydantic models.
 
-A file lists TensorParallelismInfo entries of three kinds (a closed set):
+A file lists TensorParallelismInfo entries of seven kinds (a closed set). Three split modules
+whose weights are matrices and one rewrites attributes:
 
 * ``Column`` -- split the module's *output* features. ``Y = X A + b`` with ``A = [A_0 | ... | A_n-1]``
   split by columns: rank r computes ``Y_r = X A_r + b_r``. The input enters through
@@ -10,6 +11,23 @@ A file lists TensorParallelismInfo entries of three kinds (a closed set):
   all-reduced (``reduce_from_tp_region``) and ``b`` is added once, after the reduce.
 * ``Update`` -- module attributes that hold full sizes (``num_heads``, ``split_size``) become per-rank
   values, given as expressions (see `tpmap.expr`).
+
+Four more reach what matrices alone cannot (MoE experts, ALiBi, norms across shards, SSM mixers):
+
+* ``Param`` -- split bare parameters, buffers or a ModuleList of a module along any dim (3-D expert
+  weights ``[E, 2I, H]``, ``sinks [H]``, Mamba's ``A_log``, a depthwise conv's ``[C, 1, K]``); no
+  collective of its own. ``partial: true`` instead keeps a term of a partial sum (a bias added inside
+  the experts' sum) on rank 0 and zeros elsewhere, so the later all-reduce adds it once.
+* ``Reduce`` -- a whole module whose parameters are split by ``Param`` computes a partial sum:
+  ``Y = sum_r f_r(X)``. Its floating inputs enter through ``copy_to_tp_region`` and its output leaves
+  through ``reduce_from_tp_region`` (the experts block of an MoE: one all-reduce for all experts).
+* ``Input`` -- slice a tensor argument of a module's forward by heads, for tensors the parent builds
+  with the global head count (ALiBi ``[B*H, 1, S]``, ``[B, H, S, S]``): rank r keeps its heads.
+* ``Norm`` -- an RMSNorm/LayerNorm over features that are split (OLMo2's q/k norm over all heads):
+  the statistics are all-reduced (forward and backward), the weight is split with its features.
+
+Every entry may carry ``when: {config_attribute: value}``: it applies only to configs that match, so
+one file covers a family's config variants.
 
 Module patterns are dotted paths relative to the model's *base model* (``model.base_model`` in
 transformers: ``transformer`` in GPT2LMHeadModel, ``model`` in LlamaForCausalLM, the model itself for
@@ -24,7 +42,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 
 from . import expr
 
-ENTRY_KINDS = ("Column", "Row", "Update")
+ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Input", "Norm")
 
 
 def _check_expr(value: Any) -> Any:
@@ -58,6 +76,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+When = Annotated[
+    dict[str, Any],
+    Field(description="apply this entry only when every config attribute named here has the given value "
+                      "(a list: any of its values), e.g. when: {use_qk_norm: true}"),
+]
+
+
+def config_matches(when: dict[str, Any] | None, config) -> bool:
+    """True when `config` has every attribute of `when` at the required value (a list: any of them)."""
+    if not when:
+        return True
+    missing = object()
+    for key, want in when.items():
+        have = getattr(config, key, missing)
+        if have is missing:
+            return False
+        if not (have in want if isinstance(want, list) else have == want):
+            return False
+    return True
+
+
+class _Entry(_Strict):
+    module: Pattern = Field(description="dotted module path relative to the base model; * globs per component")
+    when: When | None = None
+
+    _v_module = field_validator("module")(lambda v: _check_pattern(v))
+
+
 class Section(_Strict):
     """One block of a fused weight, in the order the blocks are stored along the split dimension."""
 
@@ -80,7 +126,56 @@ class Section(_Strict):
         return self
 
 
-class _Sharded(_Strict):
+class _Layout(_Strict):
+    """How the features along the split dim are laid out (shared by Column, Row, Param and Norm)."""
+
+    sections: StrictInt | list[Section] | CheckedExpr | None = Field(
+        None,
+        description="the split dimension is a concatenation of blocks, each split on its own and regrouped "
+        "per rank: a number N (or an expression, e.g. moe_num_experts) for N equal blocks ([gate | up] is 2), "
+        "or a list of sections with sizes",
+    )
+    heads: Expr | None = Field(
+        None,
+        description="attention heads along the split dimension (per section when sections are equal); splits "
+        "on head boundaries and checks the world size divides the heads",
+    )
+    groups: Expr | None = Field(
+        None,
+        description="the split dimension is this many equal groups, each laid out by 'sections' (Falcon's "
+        "[kv, q_per_kv + 2, d]; DBRX's experts stacked [E * I, H]). Groups are dealt out like heads: whole "
+        "groups per rank, or, with fewer groups than ranks, each group's sections split over the ranks "
+        "that share it",
+    )
+
+    _v_heads = field_validator("heads", "groups")(lambda v: v if v is None else _check_expr(v))
+
+    def _check_layout(self, fused: bool = False):
+        if isinstance(self.sections, str):
+            return  # a count given by an expression: checked when evaluated
+        n = self.sections if isinstance(self.sections, int) else len(self.sections or [])
+        if self.sections is not None and n < 2:
+            raise ValueError("'sections' needs at least 2 blocks; leave it out for an unfused weight")
+        if fused and self.sections is not None and n != 3:
+            raise ValueError(f"combined_qkv means 3 sections [q | k | v], but 'sections' gives {n}")
+        if isinstance(self.sections, list) and self.heads is not None:
+            raise ValueError("give 'heads' per section when the sections are listed, not on the entry")
+
+    def section_specs(self) -> list[tuple[Any, Any]]:
+        """The blocks along the split dimension (of one group) as (size, heads) expressions, None where
+        unstated.
+
+        An unfused weight is one block. Blocks without a size share what the sized blocks leave, in
+        proportion to their heads (1 each when no heads are given): equal [q | k | v] thirds, or GQA
+        [q | k | v] from head counts alone.
+        """
+        if isinstance(self.sections, list):
+            return [(s.size, s.heads) for s in self.sections]
+        n = 3 if getattr(self, "combined_qkv", False) and self.sections is None else (self.sections or 1)
+        return [(None, self.heads)] * n
+
+
+class _Sharded(_Layout, _Entry):
     module: Pattern = Field(description="modules to shard: nn.Linear, nn.Embedding, or a weight stored [in, out]")
     reverse: StrictBool = Field(
         False,
@@ -93,42 +188,11 @@ class _Sharded(_Strict):
         "gives every rank [q_r | k_r | v_r]. Sections are equal unless 'sections' states them (GQA). Not for "
         "head-major layouts ([heads, 3, head_dim], e.g. GPT-NeoX): those are a plain split.",
     )
-    sections: StrictInt | list[Section] | None = Field(
-        None,
-        description="the split dimension is a concatenation of blocks, each split on its own and regrouped "
-        "per rank: an integer N for N equal blocks ([gate | up] is 2), or a list of sections with sizes",
-    )
-    heads: Expr | None = Field(
-        None,
-        description="attention heads along the split dimension (per section when sections are equal); splits "
-        "on head boundaries and checks the world size divides the heads",
-    )
-
-    _v_heads = field_validator("heads")(lambda v: v if v is None else _check_expr(v))
-    _v_module = field_validator("module")(lambda v: _check_pattern(v))
 
     @model_validator(mode="after")
     def _fusion(self):
-        n = self.sections if isinstance(self.sections, int) else len(self.sections or [])
-        if self.sections is not None and n < 2:
-            raise ValueError("'sections' needs at least 2 blocks; leave it out for an unfused weight")
-        if self.combined_qkv and self.sections is not None and n != 3:
-            raise ValueError(f"combined_qkv means 3 sections [q | k | v], but 'sections' gives {n}")
-        if isinstance(self.sections, list) and self.heads is not None:
-            raise ValueError("give 'heads' per section when the sections are listed, not on the entry")
+        self._check_layout(self.combined_qkv)
         return self
-
-    def section_specs(self) -> list[tuple[Any, Any]]:
-        """The blocks along the split dimension as (size, heads) expressions, None where unstated.
-
-        An unfused weight is one block. Blocks without a size share what the sized blocks leave, in
-        proportion to their heads (1 each when no heads are given): equal [q | k | v] thirds, or GQA
-        [q | k | v] from head counts alone.
-        """
-        if isinstance(self.sections, list):
-            return [(s.size, s.heads) for s in self.sections]
-        n = 3 if self.combined_qkv and self.sections is None else (self.sections or 1)
-        return [(None, self.heads)] * n
 
 
 class Column(_Sharded):
@@ -146,7 +210,7 @@ class Row(_Sharded):
     kind: Literal["Row"]
 
 
-class Update(_Strict):
+class Update(_Entry):
     """Set module attributes to per-rank values.
 
     Keys are attribute paths on the matched module; a path through ``config`` (``config.num_attention_heads``)
@@ -159,10 +223,100 @@ class Update(_Strict):
         min_length=1, description="attribute path -> per-rank value (expression), e.g. num_heads: n_head // tp_size"
     )
 
-    _v_module = field_validator("module")(lambda v: _check_pattern(v))
+
+class Param(_Layout, _Entry):
+    """Split bare tensors of a module along `dim`: rank r keeps pieces [r] (same layout rules as Column).
+
+    For tensors a module uses directly instead of through an nn.Linear: 3-D expert weights
+    (``gate_up_proj [E, 2I, H]`` split on dim 1 with ``sections: 2``), attention ``sinks [H]``, Mamba's
+    ``A_log [I, N]``, a depthwise conv's ``weight [C, 1, K]`` (with an Update of ``groups``). A ModuleList
+    named in ``params`` keeps this rank's items (dim 0). No collective is added: the module must read
+    its input already split (after a Column) or sit inside a ``Reduce``.
+
+    ``partial: true`` (no dim): the tensor is a term of a partial sum that a ``Reduce`` (or Row) sums over
+    ranks -- e.g. a bias added inside every expert's output. Rank 0 keeps it, the others hold zeros (and
+    their gradients are zeroed), so the sum adds it once: ``sum_r (y_r + b [r == 0]) = y + b``.
+
+    Example: ``{kind: Param, module: "layers.*.mlp.experts", params: [gate_up_proj], dim: 1, sections: 2}``
+    gives each rank ``[E, 2I/ws, H]`` = ``[gate_r | up_r]`` of every expert.
+    """
+
+    kind: Literal["Param"]
+    module: Pattern = Field(description="modules that own the tensors")
+    params: list[Annotated[str, AfterValidator(_check_attribute_path)]] = Field(
+        min_length=1, description="names of parameters, buffers or ModuleLists directly on the module"
+    )
+    dim: StrictInt | None = Field(None, description="the dim to split (negative counts from the end)")
+    partial: StrictBool = Field(
+        False, description="a term of a partial sum: kept on rank 0, zeros on the others (no dim)"
+    )
+
+    @model_validator(mode="after")
+    def _dim_or_partial(self):
+        self._check_layout()
+        if self.partial and (self.dim is not None or self.sections is not None or self.heads is not None
+                             or self.groups is not None):
+            raise ValueError("partial: true keeps the whole tensor on rank 0; remove dim/sections/heads/groups")
+        if not self.partial and self.dim is None:
+            raise ValueError("a Param entry needs 'dim' (the dim to split), or partial: true")
+        return self
 
 
-Entry = Annotated[Union[Column, Row, Update], Field(discriminator="kind")]
+class Reduce(_Entry):
+    """Sum a module's partial output over the ranks: ``Y = sum_r f_r(X)``.
+
+    For a module whose parameters are split by ``Param`` entries so that each rank computes a partial
+    sum (the experts of an MoE block: TP inside every expert, one all-reduce for all of them). Its
+    floating-point tensor inputs enter through ``copy_to_tp_region`` (identity forward, all-reduce of
+    the gradient backward, as a Column's input) and its output -- a tensor, or the first tensor of a
+    tuple -- leaves through ``reduce_from_tp_region`` (all-reduce forward, identity backward, as a Row's).
+    """
+
+    kind: Literal["Reduce"]
+    module: Pattern = Field(description="modules whose output is a partial sum on every rank")
+
+
+class Input(_Entry):
+    """Slice a tensor argument of a module's forward by heads, before the module runs.
+
+    For tensors that a parent builds with the *global* head count and passes down (ALiBi biases:
+    BLOOM's ``alibi [B*H, 1, S]``, MPT's ``position_bias [H, 1, S]``, Falcon's ``[B, H, S, S]`` mask):
+    rank r keeps the heads its attention holds. ``flattened: true`` when `dim` holds batch x heads
+    (batch-major), viewed as ``[B, H]`` to slice. A dim of size 1 (a broadcast) is left whole.
+    """
+
+    kind: Literal["Input"]
+    module: Pattern = Field(description="modules whose forward receives the argument")
+    argument: Annotated[str, AfterValidator(_check_attribute_path)] = Field(
+        description="the forward argument's name (keyword or positional)"
+    )
+    dim: StrictInt = Field(description="the dim that holds the heads (negative counts from the end)")
+    heads: CheckedExpr = Field(description="heads along that dim in the full tensor (expression)")
+    flattened: StrictBool = Field(False, description="the dim holds batch x heads, batch-major (BLOOM's alibi)")
+
+
+class Norm(_Layout, _Entry):
+    """An RMSNorm / LayerNorm over features that are split over the ranks, computed exactly.
+
+    ``rms``: ``y = x / sqrt(mean(x^2) + eps) * w``; ``layer``: ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b``,
+    both over the *full* last dim, in float32. Rank r holds x_r (a Column's output) and w_r; the sums
+    sum(x_r) and sum(x_r^2) are all-reduced in forward, and their gradients all-reduced in backward
+    (every rank's output depends on every rank's statistic). The weight is split with its features
+    (``heads``/``sections``), so its gradient needs no collective. ``eps`` is read from the module's
+    ``variance_epsilon`` or ``eps``. For norms over one head (``[head_dim]``), use ``grad_allreduce``.
+    """
+
+    kind: Literal["Norm"]
+    statistic: Literal["rms", "layer"] = Field(description="rms: RMSNorm; layer: LayerNorm (mean subtracted)")
+
+    @model_validator(mode="after")
+    def _layout(self):
+        self._check_layout()
+        return self
+
+
+Entry = Annotated[Union[Column, Row, Update, Param, Reduce, Input, Norm], Field(discriminator="kind")]
+KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls for cls in (Column, Row, Update, Param, Reduce, Input, Norm)}
 
 
 class Verify(_Strict):

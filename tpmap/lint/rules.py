@@ -153,7 +153,7 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str],
                          prefix: str) -> list[Diagnostic]:
     """A replicated pattern must match a module in at least one of the models built (a pooler, say,
     exists in some classes only)."""
-    from tpmap.engine.plan import _suggest
+    from tpmap.engine.plan import suggest as _suggest
 
     return [
         Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",

@@ -1,0 +1,361 @@
+"""The planner: walks a mapping's entries over a model and records what each rank holds and does.
+
+One `Planner` holds the planning state (the model's modules, which entry claimed which tensor, the
+results so far, the errors when collecting); each entry kind is planned by one method below, in the
+order of `tpmap.schema`: Column/Row, Update, Param, Reduce, Input, Norm. Nothing here reads or writes
+a tensor's data; `engine.shard` executes the plan.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tpmap import expr
+from tpmap.errors import (
+    ConfigAttributeError,
+    DivisibilityError,
+    ModuleKindError,
+    PatternMatchError,
+    TpmapError,
+    did_you_mean,
+)
+from tpmap.loader import LoadedMapping
+from tpmap.schema import Column, Input, Norm, Param, Reduce, Row, Update, config_matches
+
+from . import pieces as split
+from .plan import (
+    AttributeUpdate,
+    InputSlice,
+    ModuleShard,
+    ParamShard,
+    base_prefix,
+    match,
+    resolve_attr,
+    suggest,
+)
+
+# The `tpmap lint` rule id of each error kind raised while evaluating an expression.
+_EVAL_RULES = {ConfigAttributeError: "config-attribute", DivisibilityError: "divisibility"}
+
+
+class EntryContext:
+    """One entry being planned: evaluates its expressions and names its position (and lint rule) in
+    every error it raises."""
+
+    def __init__(self, config: PretrainedConfig, loaded: LoadedMapping, index: int, tp_size: int):
+        self.config, self.loaded, self.index, self.tp_size = config, loaded, index, tp_size
+        self.entry = loaded.mapping.entries[index]
+
+    def pos(self, *key):
+        return self.loaded.source.value(("entries", self.index) + key)
+
+    def lookup(self, name: str) -> int:
+        if not hasattr(self.config, name):
+            keys = set(self.config.to_dict()) | set(getattr(self.config, "attribute_map", {}))
+            raise ConfigAttributeError(
+                f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
+            )
+        return getattr(self.config, name)
+
+    def eval(self, text, *key, tp_rank: int = 0) -> int:
+        try:
+            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank)
+        except TpmapError as e:
+            raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
+
+    def error(self, cls, message: str, *key, rule: str) -> TpmapError:
+        e = self.entry
+        text = f"entry {self.index} ({e.kind} {e.module!r}): {message}"
+        err = cls(f"{self.pos(*key)}: {text}")
+        err.position, err.rule, err.message = self.pos(*key), rule, text
+        return err
+
+
+class Planner:
+    """Plans every entry of `loaded` on `model` at `tp_size`; see `engine.plan.build`."""
+
+    def __init__(self, model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list | None = None):
+        self.model, self.loaded, self.tp_size, self.errors = model, loaded, tp_size, errors
+        self.config = model.config
+        self.base, self.prefix = base_prefix(model)
+        self.modules = dict(self.base.named_modules())
+        self.names = list(self.modules)
+        self.owner: dict[str, int] = {}  # full tensor name -> index of the entry that splits it
+        self.shards: list[ModuleShard] = []  # modules replaced (Column, Row, Norm; vocab_parallel)
+        self.tensors: list[ParamShard] = []  # bare tensors split in place (Param)
+        self.updates: list[AttributeUpdate] = []
+        self.reduces: list[str] = []  # modules whose output is summed over the ranks (Reduce)
+        self.inputs: list[InputSlice] = []
+        self.seen_attr: dict[tuple[str, str], int] = {}
+        self.applied: list[int] = []  # entries whose `when` matches this config
+
+    # -- driving ---------------------------------------------------------------------------------
+    def fail(self, error: TpmapError) -> None:
+        """Raise `error`, or record it and go on when collecting (tpmap lint)."""
+        if self.errors is None:
+            raise error
+        self.errors.append(error)
+
+    def plan_entries(self) -> None:
+        kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
+                 Reduce: self.reduce, Input: self.input, Norm: self.norm}
+        for i, entry in enumerate(self.loaded.mapping.entries):
+            if not config_matches(entry.when, self.config):
+                continue
+            self.applied.append(i)
+            ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
+            try:
+                matched = match(entry.module, self.names)
+                if not matched:
+                    prefix = self.prefix
+                    raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "
+                                    f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
+                                    f"{suggest(entry.module, self.names)}", "module", rule="pattern-no-match")
+                for rel in matched:
+                    before = len(self.errors) if self.errors is not None else 0
+                    kinds[type(entry)](entry, ctx, self.modules[rel], self.prefix + rel)
+                    if self.errors is not None and len(self.errors) > before:
+                        break  # the other modules of this entry would repeat the same problems
+            except TpmapError as e:
+                self.fail(e)
+
+    def claim(self, name: str, ctx: EntryContext) -> None:
+        """Each tensor is split by one entry only."""
+        if name in self.owner:
+            j = self.owner[name]
+            raise ctx.error(PatternMatchError, f"{name} is already claimed by entry {j} "
+                            f"({self.loaded.source.value(('entries', j, 'module'))}); each parameter may be "
+                            "split by one entry only", "module", rule="double-match")
+        self.owner[name] = ctx.index
+
+    def layout(self, entry, dim_size: int, ctx: EntryContext, name: str, replicate: bool):
+        """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says."""
+        def fail(message: str, key: tuple) -> TpmapError:
+            return ctx.error(DivisibilityError, f"{name}: {message}", *key, rule="divisibility")
+
+        def heads_key(k: int) -> tuple:
+            return ("sections", k, "heads") if isinstance(entry.sections, list) else ("heads",)
+
+        groups = None if entry.groups is None else ctx.eval(entry.groups, "groups")
+        group_size = dim_size
+        if groups is not None:
+            if groups <= 0 or dim_size % groups:
+                raise ctx.error(DivisibilityError, f"{name}: the split dim has {dim_size} features, not a multiple "
+                                f"of {groups} groups", "groups", rule="fused-sections")
+            group_size = dim_size // groups
+        sections = self.sections(entry, group_size, ctx)
+        if groups is not None and groups > 1:
+            return split.split_groups(groups, group_size, sections, self.tp_size, replicate, fail, heads_key)
+        return split.split_sections(sections, self.tp_size, replicate, fail, heads_key)
+
+    def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None]]:
+        """Resolve the entry's blocks to (size, heads) integers summing to dim_size."""
+        listed = isinstance(entry.sections, list)
+        if isinstance(entry.sections, str):  # a count given as an expression (e.g. moe_num_experts)
+            n = ctx.eval(entry.sections, "sections")
+            if n < 1:
+                raise ctx.error(DivisibilityError, f"sections evaluates to {n}; it must be at least 1", "sections",
+                                rule="fused-sections")
+            specs = [(None, entry.heads)] * n
+        else:
+            specs = entry.section_specs()
+        key = ("sections",) if entry.sections is not None else ()
+        rule = "fused-sections" if len(specs) > 1 else "divisibility"
+        reverse = getattr(entry, "reverse", True)
+
+        def ev(value, k: int, field: str):
+            return None if value is None else ctx.eval(value, *(("sections", k, field) if listed else (field,)))
+
+        sizes = [ev(s, k, "size") for k, (s, _) in enumerate(specs)]
+        heads = [ev(h, k, "heads") for k, (_, h) in enumerate(specs)]
+        unsized = [i for i, s in enumerate(sizes) if s is None]
+        if unsized:
+            rest = dim_size - sum(s for s in sizes if s is not None)
+            weights = {i: heads[i] or 1 for i in unsized}
+            if rest <= 0 or rest % sum(weights.values()):
+                raise ctx.error(DivisibilityError, f"the split dim has {dim_size} features; {rest} left for "
+                                f"{len(unsized)} unsized sections weighted {list(weights.values())} does not divide"
+                                + ("" if reverse else " (is reverse right?)" if len(specs) > 1 else ""),
+                                *(key or ("heads",)), rule=rule)
+            unit = rest // sum(weights.values())
+            for i in unsized:
+                sizes[i] = weights[i] * unit
+        if sum(sizes) != dim_size:
+            raise ctx.error(DivisibilityError, f"sections sum to {sum(sizes)} ({' + '.join(map(str, sizes))}) but "
+                            f"the weight has {dim_size} features along the split dim"
+                            + ("" if reverse else " (is reverse right?)"), *key, rule=rule)
+        return list(zip(sizes, heads))
+
+    # -- Column / Row ------------------------------------------------------------------------------
+    def linear(self, entry, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        """A matrix split by output (Column) or input (Row) features; the module is replaced."""
+        column = isinstance(entry, Column)
+        dim, cls = self.split_dim(module, entry, ctx, full)
+        for pname, _ in module.named_parameters(recurse=False):
+            self.claim(f"{full}.{pname}", ctx)
+        w = module.weight
+        pieces, replicated = self.layout(entry, w.shape[dim], ctx, full, replicate=column)
+        if replicated and column and entry.gather_output:
+            raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
+                            f"at world size {self.tp_size}", "gather_output", rule="divisibility")
+        weight = ParamShard(f"{full}.weight", tuple(w.shape), dim, pieces, replicated)
+        bias = None
+        if getattr(module, "bias", None) is not None:
+            b = module.bias
+            bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
+                    else ParamShard(f"{full}.bias", tuple(b.shape), None))
+        self.shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
+                                       column and entry.gather_output, ctx.index, weight, bias))
+
+    @staticmethod
+    def split_dim(module: nn.Module, entry, ctx: EntryContext, name: str) -> tuple[int, str]:
+        """(weight dim holding the features this entry splits, short class name). Checks the module kind."""
+        cls = type(module).__name__
+        weight = getattr(module, "weight", None)
+        extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or extra or list(module.children()):
+            raise ctx.error(ModuleKindError, f"module {name} ({cls}) is not a plain 2-D weight (+bias) module; "
+                            "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: "
+                            "true (bare tensors: use a Param entry)", "module", rule="module-kind")
+        column = isinstance(entry, Column)
+        if isinstance(module, nn.Embedding):
+            if entry.reverse:
+                raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse",
+                                rule="orientation")
+            if not column:
+                raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding: only Column (split embedding_dim) "
+                                "applies; a vocabulary split is the mapping's vocab-parallel feature", "kind",
+                                rule="module-kind")
+            return 1, cls
+        if isinstance(module, nn.Linear):
+            if entry.reverse:
+                raise ctx.error(ModuleKindError, f"{name} is an nn.Linear, whose weight is [out, in]; remove "
+                                "reverse: true", "reverse", rule="orientation")
+            return (0 if column else 1), cls
+        if not entry.reverse:
+            raise ctx.error(ModuleKindError, f"{name} is a {cls}, not nn.Linear; if its weight is stored [in, out] "
+                            "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by "
+                            "Column/Row", "module", rule="orientation")
+        return (1 if column else 0), cls
+
+    # -- Update ------------------------------------------------------------------------------------
+    def update(self, entry: Update, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        """Per-rank attribute values; a bad attribute is recorded and the others still checked."""
+        for path, value_expr in entry.attributes.items():
+            try:
+                self.updates.append(self.one_update(module, full, path, value_expr, ctx))
+            except TpmapError as e:
+                self.fail(e)
+
+    def one_update(self, module, full, path: str, value_expr, ctx: EntryContext) -> AttributeUpdate:
+        try:
+            _, _, current = resolve_attr(module, path)
+        except AttributeError:
+            via_config = path.startswith("config.")
+            owner = getattr(module, "config", None) if via_config else module
+            attrs = [a for a in vars(owner) if not a.startswith("_")] if owner is not None else []
+            if via_config:
+                attrs = ["config." + a for a in attrs]
+            raise ctx.error(ConfigAttributeError if via_config else ModuleKindError,
+                            f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
+                            "attributes", path,
+                            rule="config-attribute" if via_config else "update-attribute") from None
+        if (full, path) in self.seen_attr:
+            raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry "
+                            f"{self.seen_attr[(full, path)]}", "attributes", path, rule="double-match")
+        values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(self.tp_size))
+        self.seen_attr[(full, path)] = ctx.index
+        via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
+        return AttributeUpdate(full, path, current, values, via_config, ctx.index)
+
+    # -- Param -------------------------------------------------------------------------------------
+    def param(self, entry: Param, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        """Bare parameters, buffers or ModuleLists of `module` split along `dim` (or kept partial)."""
+        for pname in entry.params:
+            holder, tensor = _holder(module, pname)
+            if holder is None:
+                choices = [n for n, _ in module.named_parameters(recurse=False)]
+                choices += [n for n, b in module.named_buffers(recurse=False) if b is not None]
+                choices += [n for n, m in module.named_children() if isinstance(m, nn.ModuleList)]
+                raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no parameter, buffer or "
+                                f"ModuleList {pname!r}{did_you_mean(pname, choices)}; it has: "
+                                f"{', '.join(choices) or 'none'}", "params", rule="module-kind")
+            name = f"{full}.{pname}"
+            shape = (len(tensor),) if holder == "modules" else tuple(tensor.shape)
+            self.claim(name, ctx)
+            if entry.partial:
+                if holder == "modules":
+                    raise ctx.error(ModuleKindError, f"{name} is a ModuleList; partial is for tensors", "partial",
+                                    rule="module-kind")
+                self.tensors.append(ParamShard(name, shape, None, partial=True, holder=holder))
+                continue
+            dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
+            if not 0 <= dim < len(shape):
+                raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
+                                f"(0..{len(shape) - 1})", "dim", rule="module-kind")
+            pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules")
+            self.tensors.append(ParamShard(name, shape, dim, pieces, replicated, holder=holder))
+
+    # -- Reduce ------------------------------------------------------------------------------------
+    def reduce(self, entry: Reduce, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        if full in self.reduces:
+            raise ctx.error(PatternMatchError, f"{full} is already reduced by another entry", "module",
+                            rule="double-match")
+        self.reduces.append(full)
+
+    # -- Input -------------------------------------------------------------------------------------
+    def input(self, entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        params = list(inspect.signature(module.forward).parameters)
+        if entry.argument not in params:
+            raise ctx.error(ModuleKindError, f"{type(module).__name__}.forward has no argument "
+                            f"{entry.argument!r}{did_you_mean(entry.argument, params)}; its arguments: "
+                            f"{', '.join(params)}", "argument", rule="module-kind")
+        heads = ctx.eval(entry.heads, "heads")
+
+        def fail(message: str, key: tuple) -> TpmapError:
+            return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
+
+        pieces, _ = split.split_sections([(heads, heads)], self.tp_size, True, fail, lambda k: ("heads",))
+        self.inputs.append(InputSlice(full, entry.argument, params.index(entry.argument), entry.dim, heads,
+                                      tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
+                                      entry.flattened, ctx.index))
+
+    # -- Norm --------------------------------------------------------------------------------------
+    def norm(self, entry: Norm, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        """A norm over split features: its weight (and bias) split like them, statistics all-reduced."""
+        weight = getattr(module, "weight", None)
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or set(own) - {"weight", "bias"}:
+            raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not a norm with a 1-D weight "
+                            "(+bias)", "module", rule="module-kind")
+        eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon")
+                    if isinstance(getattr(module, a, None), float)), None)
+        if eps is None:
+            raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no float variance_epsilon/eps "
+                            "attribute to read the epsilon from", "module", rule="module-kind")
+        for pname in own:
+            self.claim(f"{full}.{pname}", ctx)
+        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True)
+        if replicated:
+            raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
+                            f"head would count twice in the statistic); use a world size that divides the heads",
+                            "heads", rule="divisibility")
+        w = ParamShard(f"{full}.weight", tuple(weight.shape), 0, pieces)
+        b = ParamShard(f"{full}.bias", tuple(module.bias.shape), 0, pieces) if "bias" in own else None
+        self.shards.append(ModuleShard(full, "norm", type(module).__name__, False, False, ctx.index, w, b,
+                                       statistic=entry.statistic, eps=eps))
+
+
+def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
+    """('parameter' | 'buffer' | 'modules', the object) for a name directly on `module`, or (None, None)."""
+    if name in module._parameters and module._parameters[name] is not None:
+        return "parameter", module._parameters[name]
+    if name in module._buffers and module._buffers[name] is not None:
+        return "buffer", module._buffers[name]
+    if isinstance(module._modules.get(name), nn.ModuleList):
+        return "modules", module._modules[name]
+    return None, None
