@@ -39,14 +39,16 @@ class ColumnParallelLinear(_TPModule):
     Example (2 ranks): an nn.Linear(8, 6) becomes weight (3, 8) per rank; X (B, T, 8) -> Y_r (B, T, 3).
     """
 
-    def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False):
+    def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
+                 copy_input=True):
         super().__init__(group)
         self.weight, self.bias, self.reverse = weight, bias, reverse
-        self.gather_output = gather_output
+        self.gather_output, self.copy_input = gather_output, copy_input
         self.register_buffer("gather_order", gather_order, persistent=False)
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
-        x = copy_to_tp_region(x, self.tp_group)
+        if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
+            x = copy_to_tp_region(x, self.tp_group)
         y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias

@@ -67,6 +67,7 @@ class ModuleShard:
     entry: int  # index of the mapping entry (for messages); -1 for vocab_parallel
     weight: ParamShard
     bias: ParamShard | None
+    copy_input: bool = True  # Column: all-reduce the input's gradient (False after an Enter)
     statistic: str = ""  # Norm: "rms" | "layer"
     eps: float = 0.0  # Norm: the module's epsilon
 
@@ -107,6 +108,7 @@ class Plan:
     tensors: tuple[ParamShard, ...] = ()  # bare tensors split in place (Param entries)
     reduces: tuple[str, ...] = ()  # modules whose output is all-reduced (Reduce entries)
     inputs: tuple[InputSlice, ...] = ()  # forward arguments sliced by heads (Input entries)
+    enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
 
     @property
     def params(self) -> dict[str, ParamShard]:
@@ -153,6 +155,8 @@ class Plan:
             rows.append((t.name, f"param {t.holder}", _shape(t.full_shape), str(t.dim), _shape(t.local_shape(0)), pieces))
         for name in self.reduces:
             rows.append((name, "reduce", "", "-", "", "output all-reduced"))
+        for name in self.enters:
+            rows.append((name, "enter", "", "-", "", "output gradient all-reduced"))
         for i in self.inputs:
             heads = " | ".join(f"r{r}:{h[0]}..{h[-1]}" for r, h in enumerate(i.head_index))
             rows.append((f"{i.module}({i.argument})", "input", f"{i.heads} heads", str(i.dim), "", heads))
@@ -242,7 +246,7 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[Tp
     except TpmapError as e:
         p.fail(e)
     return Plan(loaded.mapping.model_type, tp_size, p.prefix, tuple(p.shards), tuple(p.updates), loaded.source.path,
-                tuple(dict.fromkeys(grad_allreduce)), tuple(p.tensors), tuple(p.reduces), tuple(p.inputs))
+                tuple(dict.fromkeys(grad_allreduce)), tuple(p.tensors), tuple(p.reduces), tuple(p.inputs), tuple(p.enters))
 
 
 def _located(cls, position: Position, message: str, rule: str) -> TpmapError:

@@ -2,7 +2,7 @@
 
 One `Planner` holds the planning state (the model's modules, which entry claimed which tensor, the
 results so far, the errors when collecting); each entry kind is planned by one method below, in the
-order of `tpmap.schema`: Column/Row, Update, Param, Reduce, Input, Norm. Nothing here reads or writes
+order of `tpmap.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
 a tensor's data; `engine.shard` executes the plan.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tpmap.errors import (
     did_you_mean,
 )
 from tpmap.loader import LoadedMapping
-from tpmap.schema import Column, Input, Norm, Param, Reduce, Row, Update, config_matches
+from tpmap.schema import Column, Enter, Input, Norm, Param, Reduce, Row, Update, config_matches
 
 from . import pieces as split
 from .plan import (
@@ -89,6 +89,7 @@ class Planner:
         self.tensors: list[ParamShard] = []  # bare tensors split in place (Param)
         self.updates: list[AttributeUpdate] = []
         self.reduces: list[str] = []  # modules whose output is summed over the ranks (Reduce)
+        self.enters: list[str] = []  # modules whose output's gradient is summed over the ranks (Enter)
         self.inputs: list[InputSlice] = []
         self.seen_attr: dict[tuple[str, str], int] = {}
         self.applied: list[int] = []  # entries whose `when` matches this config
@@ -102,7 +103,7 @@ class Planner:
 
     def plan_entries(self) -> None:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
-                 Reduce: self.reduce, Input: self.input, Norm: self.norm}
+                 Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         for i, entry in enumerate(self.loaded.mapping.entries):
             if not config_matches(entry.when, self.config):
                 continue
@@ -209,7 +210,8 @@ class Planner:
             bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
                     else ParamShard(f"{full}.bias", tuple(b.shape), None))
         self.shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
-                                       column and entry.gather_output, ctx.index, weight, bias))
+                                       column and entry.gather_output, ctx.index, weight, bias,
+                                       copy_input=not column or entry.copy_input))
 
     @staticmethod
     def split_dim(module: nn.Module, entry, ctx: EntryContext, name: str) -> tuple[int, str]:
@@ -306,6 +308,13 @@ class Planner:
             raise ctx.error(PatternMatchError, f"{full} is already reduced by another entry", "module",
                             rule="double-match")
         self.reduces.append(full)
+
+    # -- Enter -------------------------------------------------------------------------------------
+    def enter(self, entry: Enter, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        if full in self.enters:
+            raise ctx.error(PatternMatchError, f"{full} is already entered by another entry", "module",
+                            rule="double-match")
+        self.enters.append(full)
 
     # -- Input -------------------------------------------------------------------------------------
     def input(self, entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> None:

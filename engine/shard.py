@@ -98,7 +98,7 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         order = gather_order(ms.weight) if ms.gather_output else None
         order = order.to(old.weight.device) if order is not None else None
         new = ColumnParallelLinear(weight, bias, reverse=ms.reverse, group=group,
-                                   gather_order=order, gather_output=ms.gather_output)
+                                   gather_order=order, gather_output=ms.gather_output, copy_input=ms.copy_input)
     else:
         new = RowParallelLinear(weight, bias, reverse=ms.reverse, group=group)
     new.train(old.training)
@@ -123,6 +123,8 @@ def execute(model: nn.Module, plan: Plan, rank: int, group) -> None:
         setattr(model.get_submodule(owner), attr, value)
     for name in plan.reduces:
         _reduce_output(model.get_submodule(name), group)
+    for name in plan.enters:
+        _enter_output(model.get_submodule(name), group)
     for input_slice in plan.inputs:
         _slice_input(model.get_submodule(input_slice.module), input_slice, rank)
     for alias, old in aliases:  # other holders of a sharded tensor (e.g. a head's tied bias) see the shard
@@ -166,6 +168,19 @@ def _reduce_output(module: nn.Module, group) -> None:
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave)
+
+
+def _enter_output(module: nn.Module, group) -> None:
+    """Enter: the output (a tensor, or the first of a tuple) passes copy_to_tp_region."""
+    def enter(_, args, output):
+        if isinstance(output, torch.Tensor):
+            return copy_to_tp_region(output, group)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (copy_to_tp_region(output[0], group),) + output[1:]
+        raise TypeError(f"{type(module).__name__} under an Enter entry returned {type(output).__name__}; "
+                        "Enter takes a tensor output (or the first tensor of a tuple)")
+
+    module.register_forward_hook(enter)
 
 
 def _slice_input(module: nn.Module, spec: InputSlice, rank: int) -> None:

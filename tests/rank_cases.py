@@ -167,6 +167,8 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
     """One forward/backward of a transformers loss: every local gradient equals the unsharded slice."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
+    if dtype == torch.float64 and full._can_set_experts_implementation():
+        full.set_experts_implementation("eager")  # grouped_mm (the fp32 default, tested there) has no fp64 kernel
     inputs, has_labels = loss_kwargs(full, verify.example_inputs(full.config))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
     loss_full = loss_of(full, inputs, has_labels)

@@ -22,7 +22,23 @@ from tpmap import verify
 
 import rank_cases
 
-LM_CLASSES = [  # (mapping, verify config index, class) for every architecture and head kind
+from tpmap import loader
+
+
+def _shipped_cases() -> list[tuple[tuple[str, int, str], int]]:
+    """((mapping, verify config 0, class), world size) for every shipped mapping and class of its first
+    verify config, at the world sizes 2 and 4 that config claims: a new mapping is tested by adding it."""
+    out = []
+    for model_type in loader.shipped_files():
+        spec = verify.resolve(model_type).mapping.verify[0]
+        for cls in spec.models:
+            out += [((model_type, 0, cls), ws) for ws in (2, 4) if ws in spec.world_sizes]
+    return out
+
+
+SHIPPED = _shipped_cases()
+LM_CLASSES = list(dict.fromkeys(case for case, _ in SHIPPED))
+CORE = [  # the seven first families: AdamW, checkpointing and the static cache run on these
     ("gpt2", 0, "GPT2LMHeadModel"),
     ("llama", 0, "LlamaForCausalLM"),  # 2 KV heads: replicated at world size 4
     ("bert", 0, "BertForMaskedLM"),
@@ -33,7 +49,8 @@ LM_CLASSES = [  # (mapping, verify config index, class) for every architecture a
     ("phi3", 0, "Phi3ForCausalLM"),
     ("qwen3", 0, "Qwen3ForCausalLM"),  # per-head q/k norms: grad_allreduce
 ]
-GENERATORS = [c for c in LM_CLASSES if c[2].endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))]
+GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+GENERATORS = [(c, ws) for c, ws in SHIPPED if c[2].endswith(GENERATES)]
 WORLD_SIZES = [2, 4]
 GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 ADAMW_ATOL = 1e-6
@@ -44,8 +61,7 @@ def ids(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", LM_CLASSES, ids=ids)
+@pytest.mark.parametrize("case,ws", SHIPPED, ids=lambda v: ids(v) if isinstance(v, tuple) else f"ws{v}")
 def test_gradients_equal_the_unsharded_slices(ranks, case, ws, dtype):
     # T5's unscaled attention saturates its softmax at init std 0.2, which amplifies fp32 rounding:
     # measured 1.1e-4, so its fp32 bound is 1e-3 (fp64 holds it to 1e-6 like every other model)
@@ -63,7 +79,7 @@ def test_gradient_checkpointing_keeps_gradients_exact(ranks, case):
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", LM_CLASSES, ids=ids)
+@pytest.mark.parametrize("case", CORE, ids=ids)
 def test_three_adamw_steps_match(ranks, case, ws):
     for r in ranks(ws).run(rank_cases.adamw_case, *case, 3):
         assert r["shapes_ok"] and r["moved"] > 1e-3  # the parameters really moved
@@ -95,11 +111,18 @@ def test_sharded_region_rng_differs_per_rank_and_default_stream_stays_in_step(ra
         assert r == {"before": 1, "inside": 4, "after": 1}
 
 
-@pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic-cache", "static-cache"])
+@pytest.mark.parametrize("case,ws", GENERATORS, ids=lambda v: ids(v) if isinstance(v, tuple) else f"ws{v}")
+def test_greedy_generate_gives_the_same_tokens(ranks, case, ws):
+    for r in ranks(ws).run(rank_cases.generate_case, *case, None):
+        assert r["new_tokens"] >= 20
+        assert r["ranks_agree"], r
+        assert r["same_as_full"], r
+
+
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", GENERATORS, ids=ids)
-def test_greedy_generate_gives_the_same_tokens(ranks, case, ws, cache):
-    for r in ranks(ws).run(rank_cases.generate_case, *case, cache):
+@pytest.mark.parametrize("case", [c for c in CORE if c[2].endswith(GENERATES)], ids=ids)
+def test_greedy_generate_with_a_static_cache(ranks, case, ws):
+    for r in ranks(ws).run(rank_cases.generate_case, *case, "static"):
         assert r["new_tokens"] >= 20
         assert r["ranks_agree"], r
         assert r["same_as_full"], r
@@ -114,7 +137,7 @@ LOSS_PATHS = {  # how each head's loss is computed under loss_parallel
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("case", [c for c in LM_CLASSES if c[2] in LOSS_PATHS], ids=ids)
+@pytest.mark.parametrize("case", [c for c in CORE if c[2] in LOSS_PATHS], ids=ids)
 def test_loss_parallel_equals_the_unsharded_loss(ranks, case, ws):
     for r in ranks(ws).run(rank_cases.loss_parallel_case, *case):
         assert r["path"] == LOSS_PATHS[case[2]], r
@@ -149,5 +172,6 @@ def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
 
 def test_training_configs_are_the_verified_ones():
     """The cases above use the first embedded config of each mapping, which verify also proves."""
-    for ref, index, cls in LM_CLASSES:
+    for ref, index, cls in LM_CLASSES + CORE:
         assert cls in verify.resolve(ref).mapping.verify[index].models
+    assert set(CORE) <= set(LM_CLASSES)

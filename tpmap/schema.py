@@ -1,6 +1,6 @@
 """The mapping schema: one YAML file per `config.model_type`, validated by these pydantic models.
 
-A file lists TensorParallelismInfo entries of seven kinds (a closed set). Three split modules
+A file lists TensorParallelismInfo entries of eight kinds (a closed set). Three split modules
 whose weights are matrices and one rewrites attributes:
 
 * ``Column`` -- split the module's *output* features. ``Y = X A + b`` with ``A = [A_0 | ... | A_n-1]``
@@ -12,7 +12,7 @@ whose weights are matrices and one rewrites attributes:
 * ``Update`` -- module attributes that hold full sizes (``num_heads``, ``split_size``) become per-rank
   values, given as expressions (see `tpmap.expr`).
 
-Four more reach what matrices alone cannot (MoE experts, ALiBi, norms across shards, SSM mixers):
+Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms across shards, SSM mixers):
 
 * ``Param`` -- split bare parameters, buffers or a ModuleList of a module along any dim (3-D expert
   weights ``[E, 2I, H]``, ``sinks [H]``, Mamba's ``A_log``, a depthwise conv's ``[C, 1, K]``); no
@@ -21,6 +21,8 @@ Four more reach what matrices alone cannot (MoE experts, ALiBi, norms across sha
 * ``Reduce`` -- a whole module whose parameters are split by ``Param`` computes a partial sum:
   ``Y = sum_r f_r(X)``. Its floating inputs enter through ``copy_to_tp_region`` and its output leaves
   through ``reduce_from_tp_region`` (the experts block of an MoE: one all-reduce for all experts).
+* ``Enter`` -- a replicated module's output enters the TP region (``copy_to_tp_region``): for outputs
+  that this rank's heads consume directly (DeepSeek MLA's shared rope key).
 * ``Input`` -- slice a tensor argument of a module's forward by heads, for tensors the parent builds
   with the global head count (ALiBi ``[B*H, 1, S]``, ``[B, H, S, S]``): rank r keeps its heads.
 * ``Norm`` -- an RMSNorm/LayerNorm over features that are split (OLMo2's q/k norm over all heads):
@@ -42,7 +44,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 
 from . import expr
 
-ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Input", "Norm")
+ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
 
 
 def _check_expr(value: Any) -> Any:
@@ -202,6 +204,10 @@ class Column(_Sharded):
     gather_output: StrictBool = Field(
         False, description="all-gather the output back to the full width (in the original feature order)"
     )
+    copy_input: StrictBool = Field(
+        True, description="false when the input already entered the tensor-parallel region upstream (an Enter "
+        "entry), so its gradient must not be all-reduced a second time (DeepSeek's MLA kv_b_proj)"
+    )
 
 
 class Row(_Sharded):
@@ -276,6 +282,20 @@ class Reduce(_Entry):
     module: Pattern = Field(description="modules whose output is a partial sum on every rank")
 
 
+class Enter(_Entry):
+    """A module kept whole whose output enters the tensor-parallel region: ``copy_to_tp_region`` on its
+    output (identity forward, all-reduce of the gradient backward).
+
+    For a replicated module whose output is consumed by this rank's heads directly, not only through
+    Columns: DeepSeek's MLA ``kv_a_proj_with_mqa`` output [c_kv | k_rope], whose rope part every rank
+    applies to its own heads (a partial gradient). The Columns downstream of it then set
+    ``copy_input: false``, and replicated modules in between (a norm) need ``grad_allreduce``.
+    """
+
+    kind: Literal["Enter"]
+    module: Pattern = Field(description="modules whose output gradient is partial on every rank")
+
+
 class Input(_Entry):
     """Slice a tensor argument of a module's forward by heads, before the module runs.
 
@@ -315,8 +335,9 @@ class Norm(_Layout, _Entry):
         return self
 
 
-Entry = Annotated[Union[Column, Row, Update, Param, Reduce, Input, Norm], Field(discriminator="kind")]
-KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls for cls in (Column, Row, Update, Param, Reduce, Input, Norm)}
+Entry = Annotated[Union[Column, Row, Update, Param, Reduce, Enter, Input, Norm], Field(discriminator="kind")]
+KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
+                for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
 
 
 class Verify(_Strict):
