@@ -332,14 +332,19 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
 
 
 def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
-    """Every config attribute that an expression of the mapping names, checked against `config`.
+    """Every config attribute that an expression of the mapping names, checked against `config`, for
+    the entries that apply to `config` (their `when` matches).
 
     `build` finds these only in entries whose pattern matches; `tpmap lint` checks them all.
     """
+    from tpmap.schema import config_matches
+
     from .planner import EntryContext
 
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
+        if not config_matches(entry.when, config):
+            continue
         ctx = EntryContext(config, loaded, i, 1)
         for key, value in expression_keys(entry):
             for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):

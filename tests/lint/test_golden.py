@@ -29,6 +29,11 @@ REQUIRED = {
     "uncovered_linear": "coverage", "column_without_row": "pairing", "fused_sections": "fused-sections",
     "missing_config_attribute": "config-attribute", "world_size": "divisibility",
     "reverse_on_linear": "orientation",
+    # the long-tail kinds
+    "param_unknown_tensor": "module-kind", "param_dim_out_of_range": "module-kind",
+    "param_partial_with_dim": "wrong-type", "reduce_no_match": "pattern-no-match",
+    "input_argument": "module-kind", "norm_module_kind": "module-kind", "when_never": "when-never",
+    "groups_divisibility": "divisibility",
 }
 
 

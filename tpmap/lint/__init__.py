@@ -27,7 +27,7 @@ RULES: dict[str, str] = {
     "empty-file": "the file is not empty",
     "unknown-key": "every key is a field of its section (did-you-mean and the valid keys are listed)",
     "missing-key": "required keys are present (model_type, entries, verify, module, ...)",
-    "unknown-kind": "every entry's kind is Column, Row or Update",
+    "unknown-kind": "every entry's kind is one of Column, Row, Update, Param, Reduce, Enter, Input, Norm",
     "wrong-type": "every value has the type its field needs",
     "invalid-expression": "size expressions use only integers, names, + - * //, parentheses and per_rank()",
     "unknown-model-type": "model_type is a transformers config.model_type",
@@ -36,7 +36,8 @@ RULES: dict[str, str] = {
     "config-attribute": "every name in an expression and every verify config key is an attribute of the config",
     "pattern-no-match": "every entry and replicated pattern matches at least one module",
     "double-match": "no parameter (or attribute) is claimed by two entries, nor both sharded and replicated",
-    "module-kind": "Column/Row target plain 2-D weight modules (nn.Linear, nn.Embedding, [in, out] weights)",
+    "module-kind": "each kind targets what it can split: Column/Row plain 2-D weight modules, Param existing "
+                   "tensors/ModuleLists and dims, Input existing forward arguments, Norm 1-D norm weights with an eps",
     "orientation": "reverse: true exactly on weights stored [in, out] (transformers' Conv1D)",
     "fused-sections": "fused sections add up to the weight's size along the split dimension",
     "update-attribute": "Update attributes exist on every matched module",
@@ -44,6 +45,7 @@ RULES: dict[str, str] = {
     "coverage": "every nn.Linear, Conv1D and nn.Embedding in the repeated blocks is sharded or listed in replicated",
     "pairing": "a Column's output reaches a Row in the same block (or is gathered), and every Row input is split",
     "divisibility": "heads, features and Update expressions divide at every declared world size",
+    "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 
 

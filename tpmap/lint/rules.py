@@ -294,6 +294,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
     report.add_errors(planning.check_expressions(default, loaded))
+    configs = [("the default config", default)]  # every config lint checks, for `when`
 
     replicated_hit: set[int] = set()
     models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
@@ -349,6 +350,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
             report.add(Diagnostic.at(src.value(("verify", v, "config")), "model-build",
                                      f"the verify config {spec.name!r} is rejected: {type(e).__name__}: {e}"))
             continue
+        configs.append((f"verify {spec.name!r}", config))
+        report.add_errors(planning.check_expressions(config, loaded), f"verify {spec.name!r}: ")
         model = built(found[0], config, v)
         if model is None:
             continue
@@ -356,11 +359,42 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         for ws in spec.world_sizes:
             if ws != 1:
                 check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
+    for d in when_never(loaded, configs):
+        report.add(d)
     if models:
         for d in replicated_unmatched(loaded, replicated_hit, models[0][1],
                                       list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
             report.add(d)
     return report.items
+
+
+def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
+    """An entry whose `when` matches none of the configs lint checks is never checked nor proven: add a
+    verify config of that variant, or fix the condition (a misspelt attribute never matches)."""
+    from ..schema import config_matches
+
+    out = []
+    for i, entry in enumerate(loaded.mapping.entries):
+        if not entry.when or any(config_matches(entry.when, c) for _, c in configs):
+            continue
+        for key, want in entry.when.items():
+            seen = {label: getattr(c, key, "<missing>") for label, c in configs}
+            if all(not config_matches({key: want}, c) for _, c in configs):
+                if all(v == "<missing>" for v in seen.values()):
+                    keys = set().union(*(set(c.to_dict()) for _, c in configs))
+                    why = f"no config has an attribute {key!r}{did_you_mean(key, keys)}"
+                else:
+                    values = "; ".join(f"{label}: {v!r}" for label, v in seen.items())
+                    why = f"{key} is never {want!r} ({values}); add a verify config with {key}: {want!r}"
+                msg = (f"entry {i} ({entry.kind} {entry.module!r}) applies to no config lint checks, so it is "
+                       f"never checked nor proven: {why}")
+                out.append(Diagnostic.at(loaded.source.key(("entries", i, "when", key)), "when-never", msg))
+                break
+        else:
+            out.append(Diagnostic.at(loaded.source.key(("entries", i, "when")), "when-never",
+                                     f"entry {i} ({entry.kind} {entry.module!r}): no config lint checks matches "
+                                     f"all of {entry.when}; add a verify config of that variant"))
+    return out
 
 
 def _reads(cls, name: str) -> bool:
