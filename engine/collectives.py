@@ -12,6 +12,9 @@ the total's gradient is the sum of every rank's, and each rank's term receives a
 """
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -110,3 +113,29 @@ def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | Non
 def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a partial statistic over the ranks whose results stay rank-local: all-reduce both ways."""
     return x if _world(group) == 1 else _SumOverTP.apply(x, group)
+
+
+_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """Count the torch.distributed collectives issued inside the block (by name), e.g. per forward:
+    ``with counting_collectives() as counts: model(**inputs)`` -> ``{"all_reduce": 5, "all_gather": 2}``.
+    Counts the real calls on their way through; for reports and tests, not for production loops."""
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

@@ -69,3 +69,13 @@ def test_a_wrong_mapping_is_caught(ranks, tmp_path, name):
         return
     assert not result.passed
     assert result.rel_diff > 1e-3, f"wrong mapping {name} was off by only {result.rel_diff:.2g}"
+
+
+def test_verify_reports_the_collectives_of_one_forward(ranks):
+    """Megatron's minimum for a decoder: one all-reduce per attention and per MLP/experts block, one for the
+    vocab-parallel embedding; all-gathers for the logits and the input check. An MoE block included."""
+    case = next(c for c in CASES if c.model_type == "mixtral" and c.world_size == 2)
+    result = run_case(ranks, case)
+    layers = verify.tiny_config(case.ref, case.verify_index).num_hidden_layers
+    assert result.collectives == {"all_reduce": 2 * layers + 1, "all_gather": 2}, result.collectives
+    assert verify.comm_summary(result.collectives) == f"{2 * layers + 1}ar+2ag"

@@ -96,8 +96,10 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     inputs = example_inputs(full.config)
     with torch.no_grad():
         reference = main_output(full(**inputs))
+    from tpmap.engine.collectives import counting_collectives
+
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
-    with torch.no_grad():
+    with torch.no_grad(), counting_collectives() as comm:
         got = main_output(sharded(**inputs))
     plan = getattr(sharded, "tpmap_plan", None)
     bad_fraction = []  # each split parameter holds 1/ws of the original (ceil(V/ws) rows when padded)
@@ -117,6 +119,7 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
         "params_local": sum(p.numel() for p in sharded.parameters()),
         "params_full": sum(p.numel() for p in full.parameters()),
         "bad_fraction": bad_fraction,
+        "collectives": dict(comm),  # per forward, the input check's fingerprint all-gather included
     }
 
 
@@ -140,6 +143,7 @@ class Result:
     params_local: int | None = None
     params_full: int | None = None
     error: str = ""
+    collectives: dict | None = None
 
 
 def cases(refs, world_sizes=None) -> list[Case]:
@@ -165,7 +169,7 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
     if not rel <= RTOL:  # also catches NaN
         problems.append(f"max|diff| {worst:.3g} is {rel:.3g} of max|output| {scale:.3g} (> {RTOL:g})")
     return Result(case, not problems, worst, rel, per_rank[0]["params_local"], per_rank[0]["params_full"],
-                  "; ".join(problems))
+                  "; ".join(problems), per_rank[0].get("collectives"))
 
 
 def run(case_list: list[Case], timeout: float = 300.0, log=print) -> list[Result]:
@@ -195,14 +199,29 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print) -> list[Result
     return results
 
 
-HEADER = f"{'model_type':<12} {'config':<9} {'class':<32} {'ws':>2} {'max|diff|':>10} {'rel':>9} {'params/rank':>12} {'of full':>8}  result"
+HEADER = (f"{'model_type':<12} {'config':<9} {'class':<32} {'ws':>2} {'max|diff|':>10} {'rel':>9} {'params/rank':>12} "
+          f"{'of full':>8} {'comm/fwd':>9}  result")
+
+
+def comm_summary(counts: dict | None) -> str:
+    """'12ar+2ag' for 12 all-reduces and 2 all-gathers in one forward ('-' without a process group)."""
+    short = {"all_reduce": "ar", "all_gather": "ag", "all_gather_into_tensor": "ag", "reduce_scatter_tensor": "rs",
+             "broadcast": "bc"}
+    if not counts:
+        return "-"
+    merged = {k: 0 for k in dict.fromkeys(short.values())}  # fixed order: ar, ag, rs, bc
+    for name, n in counts.items():
+        merged[short[name]] += n
+    return "+".join(f"{n}{k}" for k, n in merged.items() if n)
 
 
 def _row(r: Result, seconds: float) -> str:
     c = r.case
     if r.max_diff is None:
-        return f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>2} {'-':>10} {'-':>9} {'-':>12} {'-':>8}  FAIL\n{r.error}"
+        return (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>2} {'-':>10} {'-':>9} "
+                f"{'-':>12} {'-':>8} {'-':>9}  FAIL\n{r.error}")
     frac = r.params_local / r.params_full
     line = (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>2} {r.max_diff:>10.2e} "
-            f"{r.rel_diff:>9.1e} {r.params_local:>12,} {frac:>8.1%}  {'pass' if r.passed else 'FAIL'} ({seconds:.1f}s)")
+            f"{r.rel_diff:>9.1e} {r.params_local:>12,} {frac:>8.1%} {comm_summary(r.collectives):>9}  "
+            f"{'pass' if r.passed else 'FAIL'} ({seconds:.1f}s)")
     return line + (f"\n    {r.error}" if r.error else "")
