@@ -1,0 +1,76 @@
+"""The long-tail kinds at the level of the plan and of real ranks: the slicing math of `groups`,
+partial tensors, and MoE experts whose missing Reduce is caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpmap import loader, verify
+from tpmap.engine import pieces
+from tpmap.engine.plan import ParamShard
+from tpmap.engine.shard import take
+
+
+def _fail(message, key):
+    return ValueError(message)
+
+
+def _heads_key(k):
+    return ("heads",)
+
+
+def _flat(p):
+    return [i for s, n in p for i in range(s, s + n)]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+def test_groups_deal_whole_groups_or_split_a_shared_group(tp_size):
+    """Falcon-40B layout: 2 KV groups, each [4 q heads | k | v] of head size 3 (18 features a group)."""
+    sections = [(12, 4), (3, 1), (3, 1)]
+    got, replicated = pieces.split_groups(2, 18, sections, tp_size, True, _fail, _heads_key)
+    if tp_size == 1:
+        assert got == (((0, 36),),) and not replicated
+    elif tp_size == 2:  # one whole group each, sections intact
+        assert got == (((0, 18),), ((18, 18),)) and not replicated
+    elif tp_size == 4:  # 2 ranks share a group: 2 q heads each, k and v replicated
+        assert [_flat(p) for p in got] == [
+            list(range(0, 6)) + list(range(12, 18)), list(range(6, 12)) + list(range(12, 18)),
+            list(range(18, 24)) + list(range(30, 36)), list(range(24, 30)) + list(range(30, 36))]
+        assert replicated
+    else:  # 4 ranks share a group: one q head each
+        assert _flat(got[5]) == list(range(21, 24)) + list(range(30, 36)) and replicated
+
+
+def test_groups_refuse_a_world_size_that_neither_divides_nor_is_a_multiple():
+    with pytest.raises(ValueError, match="3 groups cannot be dealt over world size 2; world sizes that work: 1, 3, 6"):
+        pieces.split_groups(3, 6, [(6, None)], 2, True, _fail, _heads_key)
+
+
+def test_pieces_tile_the_dimension_once_unless_heads_are_replicated():
+    for sections, tp_size in [([(32, 4), (8, 1), (8, 1)], 4), ([(24, None), (24, None)], 3), ([(12, 12)], 6)]:
+        got, replicated = pieces.split_sections(sections, tp_size, True, _fail, _heads_key)
+        covered = sorted(i for p in got for i in _flat(p))
+        total = sum(s for s, _ in sections)
+        if replicated:
+            assert set(covered) == set(range(total)) and len(covered) > total
+        else:
+            assert covered == list(range(total))
+
+
+def test_a_partial_tensor_is_whole_on_rank_0_and_zero_elsewhere():
+    full = torch.randn(4, 6)
+    shard = ParamShard("experts.down_proj_bias", (4, 6), None, partial=True)
+    assert torch.equal(take(full, shard, 0), full)
+    assert not take(full, shard, 1).any() and take(full, shard, 1).shape == full.shape
+
+
+def test_moe_experts_without_their_reduce_are_caught(ranks, tmp_path):
+    """Each rank's experts output is a partial sum: without the Reduce the logits are wrong."""
+    text = loader.shipped_files()["mixtral"].read_text()
+    block = "  - kind: Reduce\n    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n"
+    assert block in text
+    path = tmp_path / "mixtral_no_reduce.yaml"
+    path.write_text(text.replace(block, ""))
+    case = verify.cases([str(path)], [2])[0]
+    result = verify.judge(case, ranks(2).run(verify.forward_case, case.ref, case.verify_index, case.class_name))
+    assert not result.passed and result.rel_diff > 1e-3, result
