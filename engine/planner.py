@@ -270,6 +270,13 @@ class Planner:
             raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry "
                             f"{self.seen_attr[(full, path)]}", "attributes", path, rule="double-match")
         values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(self.tp_size))
+        if isinstance(current, int) and not isinstance(current, bool) and current >= 1:
+            bad = [(r, v) for r, v in enumerate(values) if not 1 <= v <= current]
+            if bad:  # a per-rank size is a positive part of the full one; anything else fails later, obscurely
+                r, v = bad[0]
+                raise ctx.error(DivisibilityError, f"{full}.{path} is {current} in the full model, but "
+                                f"{value_expr!r} gives {v} on rank {r} at world size {self.tp_size}; a per-rank "
+                                f"value must lie between 1 and {current}", "attributes", path, rule="divisibility")
         self.seen_attr[(full, path)] = ctx.index
         via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
         return AttributeUpdate(full, path, current, values, via_config, ctx.index)

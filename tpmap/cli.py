@@ -1,7 +1,7 @@
 """The `tpmap` command line: thin wrappers over the library.
 
     tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
-    tpmap plan MODEL_TYPE -n N [--rank R] [--default-config]     print the plan as a table
+    tpmap plan MODEL_TYPE|FILE.yaml -n N [--rank R] [--default-config]  print the plan as a table
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
     tpmap schema                                                 print the mapping JSON Schema
 """
@@ -40,17 +40,18 @@ def _plan(args) -> int:
     import transformers
     from transformers import AutoConfig
 
-    from . import api, loader
+    from . import api, verify
 
-    loaded = loader.for_model_type(args.model_type)
+    loaded = verify.resolve(args.model_type)  # a model type (shipped mapping) or a YAML path
+    model_type = loaded.mapping.model_type
     spec = loaded.mapping.verify[0]
-    config = AutoConfig.for_model(args.model_type, **({} if args.default_config else spec.config))
+    config = AutoConfig.for_model(model_type, **({} if args.default_config else spec.config))
     cls = getattr(transformers, args.model_class or spec.models[0])
     with torch.device("meta"):  # structure and shapes only: no memory, no weights
         model = cls(config)
     plan = api.plan(model, args.n, mapping=loaded)
     which = "default" if args.default_config else f"embedded '{spec.name}'"
-    print(f"# {args.model_type} ({cls.__name__}, {which} config), world size {args.n}, mapping {plan.source}")
+    print(f"# {model_type} ({cls.__name__}, {which} config), world size {args.n}, mapping {plan.source}")
     print(plan.table(args.rank))
     return 0
 

@@ -23,6 +23,8 @@ from typing import Callable
 from .errors import DivisibilityError, TpmapError
 
 PER_RANK_NAMES = ("tp_size", "tp_rank")
+MAX_CHARS = 256  # the longest shipped expression has ~60; bounds parsing and checking (no deep recursion)
+MAX_VALUE = 2**63 - 1  # results must fit int64 (module attributes become tensor sizes)
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
 _OTHER_OPS = {ast.Div: "/", ast.Mod: "%", ast.Pow: "**", ast.MatMult: "@", ast.LShift: "<<", ast.RShift: ">>",
               ast.BitOr: "|", ast.BitAnd: "&", ast.BitXor: "^"}
@@ -37,11 +39,16 @@ def parse(text: str | int) -> ast.expr:
     if isinstance(text, bool):
         raise ExpressionError(f"expected an integer expression, got the boolean {text!r}")
     if isinstance(text, int):
+        if abs(text) > MAX_VALUE:
+            raise ExpressionError(f"the integer {str(text)[:20]}... does not fit int64")
         return ast.Constant(text)
+    if len(str(text)) > MAX_CHARS:
+        raise ExpressionError(f"an expression of {len(str(text)):,} characters (limit {MAX_CHARS}); "
+                              "a size expression needs a few names and operators")
     try:
         tree = ast.parse(str(text), mode="eval").body
-    except SyntaxError as e:
-        raise ExpressionError(f"cannot parse expression {text!r}: {e.msg}") from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:  # also "too many digits", deep nesting
+        raise ExpressionError(f"cannot parse expression {text!r}: {getattr(e, 'msg', None) or e}") from None
     _check(tree, str(text))
     return tree
 
@@ -128,4 +135,7 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
             )
         return a // b
 
-    return ev(parse(text))
+    value = ev(parse(text))
+    if abs(value) > MAX_VALUE:
+        raise ExpressionError(f"{text!r} evaluates to {value}, which does not fit int64")
+    return value

@@ -3,6 +3,11 @@
 Every error becomes a `MappingError` at ``path:line:col`` of the node to fix: the key for an unknown
 key, the value for a wrong value, the parent mapping for a missing key. All errors of a file are
 collected and raised together as `MappingErrors`.
+
+Mapping files arrive in pull requests, so reading one is bounded (`LIMITS`, far above any real
+mapping: the largest shipped file is a few KiB and nests 6 deep): file size, nesting depth, nodes
+after alias expansion (a "billion laughs" alias bomb stops at the limit, in milliseconds) and scalar
+length (a 5000-digit integer). Each violation is a located `MappingError`, never a traceback.
 """
 from __future__ import annotations
 
@@ -46,17 +51,59 @@ class LoadedMapping:
         return self.source.value(("entries", index, key))
 
 
+LIMITS = {
+    "file_bytes": 1 << 20,  # 1 MiB
+    "depth": 64,  # nested mappings/sequences, aliases included
+    "nodes": 20_000,  # nodes after alias expansion
+    "scalar_chars": 4096,  # one scalar's text
+}
+
+
+class _Budget:
+    """Counts nodes as aliases expand them; `_construct` stops at LIMITS."""
+
+    def __init__(self):
+        self.nodes = 0
+
+
 def _pos(path: str, node: yaml.Node) -> Position:
     return Position(path, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-def _construct(node: yaml.Node, loc: tuple, src: SourceMap, errors: list[MappingError], loader) -> Any:
+class _TooLarge(Exception):
+    """Raised inside `_construct` when a limit is hit; becomes a MappingError at the node."""
+
+    def __init__(self, error: MappingError):
+        self.error = error
+
+
+def _construct(node: yaml.Node, loc: tuple, src: SourceMap, errors: list[MappingError], loader,
+               budget: _Budget | None = None) -> Any:
     """Build Python data from a composed YAML node, recording positions and duplicate keys."""
+    budget = budget or _Budget()
+    budget.nodes += 1
+    if budget.nodes > LIMITS["nodes"]:
+        raise _TooLarge(MappingError(f"the document expands to more than {LIMITS['nodes']:,} nodes (aliases are "
+                                     "expanded where they are used); a mapping needs a few hundred: remove the "
+                                     "aliases that repeat large blocks", _pos(src.path, node), "yaml-syntax"))
+    if len(loc) > LIMITS["depth"]:
+        raise _TooLarge(MappingError(f"nesting deeper than {LIMITS['depth']} levels (aliases included); a mapping "
+                                     "nests about 6", _pos(src.path, node), "yaml-syntax"))
     src.values[loc] = _pos(src.path, node)
+    if isinstance(node, yaml.ScalarNode) and len(node.value) > LIMITS["scalar_chars"]:
+        raise _TooLarge(MappingError(f"a scalar of {len(node.value):,} characters (limit {LIMITS['scalar_chars']:,}); "
+                                     "no value of a mapping is that long", _pos(src.path, node), "wrong-type"))
     if isinstance(node, yaml.MappingNode):
         out: dict = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            if not isinstance(key_node, yaml.ScalarNode):
+                errors.append(MappingError("a mapping key must be a plain string", _pos(src.path, key_node),
+                                           "yaml-syntax"))
+                continue
+            if len(key_node.value) > LIMITS["scalar_chars"]:
+                raise _TooLarge(MappingError(f"a key of {len(key_node.value):,} characters", _pos(src.path, key_node),
+                                             "wrong-type"))
+            key = _scalar(key_node, src, loader)
             if not isinstance(key, (str, int, float, bool)) or key is None:
                 errors.append(MappingError(f"mapping key {key!r} must be a string", _pos(src.path, key_node), "yaml-syntax"))
                 continue
@@ -71,19 +118,60 @@ def _construct(node: yaml.Node, loc: tuple, src: SourceMap, errors: list[Mapping
                 )
                 continue
             src.keys[loc + (key,)] = _pos(src.path, key_node)
-            out[key] = _construct(value_node, loc + (key,), src, errors, loader)
+            out[key] = _construct(value_node, loc + (key,), src, errors, loader, budget)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(child, loc + (i,), src, errors, loader) for i, child in enumerate(node.value)]
-    return loader.construct_object(node, deep=True)
+        return [_construct(child, loc + (i,), src, errors, loader, budget) for i, child in enumerate(node.value)]
+    return _scalar(node, src, loader)
+
+
+def _scalar(node: yaml.ScalarNode, src: SourceMap, loader) -> Any:
+    """A scalar's value; the loader's own conversion errors (e.g. a malformed timestamp) become located."""
+    try:
+        return loader.construct_object(node, deep=True)
+    except (ValueError, OverflowError, yaml.YAMLError) as e:
+        raise _TooLarge(MappingError(f"cannot read the value {node.value[:40]!r}: {e}", _pos(src.path, node),
+                                     "wrong-type")) from None
+
+
+def _max_depth(text: str, path: str) -> None:
+    """Refuse deep nesting before composing: PyYAML's composer recurses once per level. Scanning is
+    iterative; a scanning error is left for the composer to report with its context."""
+    depth = 0
+    starts = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+              yaml.FlowSequenceStartToken)
+    ends = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+    try:
+        for token in yaml.scan(text, Loader=yaml.SafeLoader):
+            if isinstance(token, starts):
+                depth += 1
+                if depth > LIMITS["depth"]:
+                    mark = token.start_mark
+                    raise MappingErrors([MappingError(f"nesting deeper than {LIMITS['depth']} levels; a mapping "
+                                                      "nests about 6", Position(path, mark.line + 1, mark.column + 1),
+                                                      "yaml-syntax")])
+            elif isinstance(token, ends):
+                depth -= 1
+    except yaml.YAMLError:
+        return
 
 
 def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
     """Safe-load `text`, returning the data and its SourceMap; YAML errors raise MappingErrors."""
     src = SourceMap(path)
     errors: list[MappingError] = []
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > LIMITS["file_bytes"]:
+        raise MappingErrors([MappingError(f"the file has {size:,} bytes (limit {LIMITS['file_bytes']:,}); a mapping "
+                                          "has a few KiB", Position(path, 1, 1), "yaml-syntax")])
+    _max_depth(text, path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as e:  # a control character: YAML forbids it anywhere in the text
+        before = text[: e.position]
+        pos = Position(path, before.count("\n") + 1, e.position - (before.rfind("\n") + 1) + 1)
+        raise MappingErrors([MappingError(f"character #x{e.character:04x} is not allowed in YAML; remove it",
+                                          pos, "yaml-syntax")]) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         pos = Position(path, mark.line + 1, mark.column + 1) if mark else Position(path, 1, 1)
@@ -97,7 +185,10 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
     if node is None:
         raise MappingErrors([MappingError("the file is empty; a mapping needs model_type, entries and verify",
                                           Position(path, 1, 1), "empty-file")])
-    data = _construct(node, (), src, errors, yaml.SafeLoader(""))
+    try:
+        data = _construct(node, (), src, errors, yaml.SafeLoader(""))
+    except _TooLarge as e:
+        raise MappingErrors([e.error]) from None
     if errors:
         raise MappingErrors(errors)
     return data, src
@@ -191,8 +282,31 @@ def load_text(text: str, path: str) -> LoadedMapping:
 
 
 def load_file(path: str | Path) -> LoadedMapping:
+    """Read and validate a mapping file; a path that cannot be read is a MappingError naming it."""
+    return load_text(read_text(path), str(path))
+
+
+def read_text(path: str | Path) -> str:
+    """A mapping file's text: UTF-8, at most LIMITS['file_bytes']; anything else a MappingError naming it."""
     path = Path(path)
-    return load_text(path.read_text(encoding="utf-8"), str(path))
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder")
+        raw = path.read_bytes()
+        if len(raw) > LIMITS["file_bytes"]:
+            raise MappingErrors([MappingError(f"the file has {len(raw):,} bytes (limit {LIMITS['file_bytes']:,}); a "
+                                              "mapping has a few KiB", Position(str(path), 1, 1), "yaml-syntax")])
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise MappingError(f"the file is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8",
+                           Position(str(path), line, 1), "yaml-syntax") from None
+    except OSError as e:  # missing, a folder, no permission
+        what = {FileNotFoundError: "no such file", IsADirectoryError: "is a folder, not a file",
+                PermissionError: "cannot be read (permission denied)"}.get(type(e), e.strerror or str(e))
+        raise MappingError(f"mapping file {str(path)!r} {what}; pass the path of a .yaml mapping (or a model type "
+                           "to use the shipped one)") from None
+    return text
 
 
 def shipped_dir() -> Path:

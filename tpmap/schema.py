@@ -70,7 +70,7 @@ Expr = Annotated[Union[StrictInt, str], Field(description="integer expression, s
 CheckedExpr = Annotated[Union[StrictInt, str], AfterValidator(_check_expr),
                         Field(description="integer expression, see tpmap.expr")]
 AttributePath = Annotated[str, AfterValidator(_check_attribute_path)]
-WorldSize = Annotated[StrictInt, Field(ge=1)]
+WorldSize = Annotated[StrictInt, Field(ge=1, le=65536)]
 Pattern = Annotated[str, Field(description="dotted module path relative to the base model; * globs per component")]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MappingErrors, Position, TpmapError
+from ..errors import MappingError, MappingErrors, Position, TpmapError
 
 # rule id -> what it checks (the README's table lists the same ids with an example each)
 RULES: dict[str, str] = {
@@ -122,13 +122,11 @@ def lint_file(path: str) -> list[Diagnostic]:
     from .. import loader
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        return [Diagnostic(path, 1, 1, "yaml-syntax", f"the file is not UTF-8 text ({e.reason} at byte {e.start})")]
-    try:
-        loaded = loader.load_text(text, path)
+        loaded = loader.load_text(loader.read_text(path), path)
     except MappingErrors as e:
         return sort([Diagnostic.from_error(m) for m in e.errors])
+    except MappingError as e:  # unreadable: not UTF-8, a folder, gone
+        return [Diagnostic.from_error(e) if e.position else Diagnostic(path, 1, 1, "yaml-syntax", e.message)]
     from .rules import structural
 
     return sort(structural(loaded))

@@ -1,0 +1,154 @@
+"""Hostile and broken mapping files: every one a located TpmapError (never a traceback, never a hang),
+and `tpmap lint` exits 0 or 1 with diagnostics on anything a fuzzer makes of real mappings.
+
+The time bounds here are hang guards (seconds where a real run takes milliseconds), not speed targets.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tpmap import loader
+from tpmap.errors import MappingError, MappingErrors, TpmapError
+from tpmap.lint import lint_file
+
+SHIPPED = loader.shipped_files()
+LLAMA = SHIPPED["llama"].read_text()
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE = {
+    # name: (text, words the message must contain)
+    "alias-bomb-9-levels": (_alias_bomb(9), "expands to more than"),
+    "5000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 5000 + "]\n", "5,000 characters"),
+    "4000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 4000 + "]\nentries: []\nverify: []\n",
+                           "less than or equal to 65536"),
+    "20000-term-expression": (LLAMA.replace("heads: num_attention_heads", "heads: " + "+".join(["1"] * 1500), 1),
+                              "characters (limit 256)"),
+    "deep-nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nesting deeper than 64"),
+    "recursive-alias": ("a: &a [*a]\n", "nesting deeper than 64"),
+    "non-string-key": ("? [a, b]\n: 1\n", "must be a plain string"),
+    "bad-timestamp": ("model_type: 2001-13-45 10:00:00\n", "cannot read the value"),
+    "negative-update": (LLAMA.replace(
+        "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
+        "num_key_value_groups: 0 - 5"), None),  # schema-valid: caught at plan time, see below
+}
+
+
+@pytest.mark.parametrize("name", [n for n, (_, words) in HOSTILE.items() if words])
+def test_hostile_text_is_a_located_mapping_error_in_bounded_time(name):
+    text, words = HOSTILE[name]
+    start = time.monotonic()
+    with pytest.raises(MappingErrors) as info:
+        loader.load_text(text, f"{name}.yaml")
+    assert time.monotonic() - start < 5, "hang guard"
+    first = info.value.errors[0]
+    assert first.position is not None and first.position.path == f"{name}.yaml", first
+    assert words in str(info.value), str(info.value)
+
+
+def test_an_update_outside_1_to_the_full_value_fails_at_plan_time_with_its_line(tmp_path):
+    """Before: a negative head-group count passed apply and failed at the first forward, in torch."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import tpmap
+
+    path = tmp_path / "llama_negative.yaml"
+    path.write_text(HOSTILE["negative-update"][0])
+    spec = loader.load_file(path).mapping.verify[0]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.for_model("llama", **spec.config))
+    with pytest.raises(TpmapError) as info:
+        tpmap.plan(model, 2, mapping=path)
+    line = next(i for i, s in enumerate(path.read_text().splitlines(), 1) if "0 - 5" in s)
+    assert f"{path}:{line}:" in str(info.value) and "between 1 and 6" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("make", ["missing", "folder", "not-utf8"])
+def test_an_unreadable_mapping_path_is_a_mapping_error_and_the_model_is_untouched(tmp_path, make):
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import tpmap
+
+    path = {"missing": tmp_path / "nope.yaml", "folder": tmp_path, "not-utf8": tmp_path / "latin1.yaml"}[make]
+    if make == "not-utf8":
+        path.write_bytes(LLAMA.replace("# Llama", "# Llama \xe9t\xe9").encode("latin-1"))
+    model = LlamaForCausalLM(AutoConfig.for_model("llama", **loader.load_text(LLAMA, "x").mapping.verify[0].config))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(MappingError) as info:
+        tpmap.apply(model, 1, mapping=path)
+    assert str(path) in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_tpmap_lint_reports_an_alias_bomb_without_a_traceback(tmp_path):
+    from tpmap.cli import main
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(9))
+    assert main(["lint", str(path)]) == 1
+
+
+# -- fuzzing ---------------------------------------------------------------------------------------
+_SCALARS = st.one_of(st.integers(-10**30, 10**30), st.text(max_size=12), st.booleans(), st.none(),
+                     st.floats(allow_nan=True), st.sampled_from(["*a", "&a x", "!!python/object:os.system", "~",
+                                                                   "{", "[", "'", '"', ": :", "- -", "\t", "\x00"]))
+
+
+def _mutations(text: str):
+    """Strategies that damage a real mapping the way a hurried pull request would (and worse)."""
+    lines = text.splitlines(keepends=True)
+    cut = st.integers(0, len(text)).map(lambda i: text[:i])
+    replace_line = st.tuples(st.integers(0, len(lines) - 1), _SCALARS).map(
+        lambda t: "".join(lines[: t[0]] + [f"{lines[t[0]].split(':')[0]}: {t[1]}\n"] + lines[t[0] + 1:]))
+    insert = st.tuples(st.integers(0, len(text)), st.text(max_size=20)).map(lambda t: text[: t[0]] + t[1] + text[t[0]:])
+    swap = st.tuples(st.integers(0, len(lines) - 1), st.integers(0, len(lines) - 1)).map(
+        lambda t: "".join(lines[: t[0]] + [lines[t[1]]] + lines[t[0] + 1:]))
+    return st.one_of(cut, replace_line, insert, swap)
+
+
+_YAML_TREES = st.recursive(
+    _SCALARS.map(str),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.dictionaries(st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8), children, max_size=4).map(
+            lambda d: "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}")),
+    max_leaves=20)
+
+_FUZZED = st.one_of(*[_mutations(p.read_text()) for p in SHIPPED.values()],
+                    _YAML_TREES.map(lambda t: f"model_type: llama\nentries: {t}\nverify: {t}\n"),
+                    _YAML_TREES.map(lambda t: f"a: &a {t}\nb: [*a, *a, *a]\n"))
+
+
+# CI runs a few hundred deterministic examples; TPMAP_FUZZ_EXAMPLES=10000 runs a long campaign locally
+_N = int(os.environ.get("TPMAP_FUZZ_EXAMPLES", "300"))
+
+
+@settings(max_examples=_N, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(_FUZZED)
+def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
+    try:
+        loader.load_text(text, "fuzzed.yaml")
+    except MappingErrors as e:
+        assert all(m.position is not None and str(m).startswith("fuzzed.yaml:") for m in e.errors), e
+
+
+@settings(max_examples=max(40, _N // 20), deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(_FUZZED)
+def test_fuzzed_mappings_lint_to_diagnostics_never_a_traceback(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "fuzzed.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    diagnostics = lint_file(str(path))  # any exception other than a return fails the test
+    assert all(d.path == str(path) and d.rule for d in diagnostics)
