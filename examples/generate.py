@@ -3,11 +3,17 @@
     torchrun --nproc-per-node 2 examples/generate.py --model-type gpt2 [--check]
 
 With --check, each rank also generates with the unsharded model and reports whether the tokens match.
+
+Out-of-step ranks (what happens when one rank fails or leaves its loop early; tested in CI):
+``--fail-on-rank R`` raises inside rank R's third forward, ``--stop-early-on-rank R`` makes rank R
+generate fewer tokens. The process group gets an explicit timeout (``--timeout``, 60 s here; gloo's
+default is 30 minutes), so a rank blocked in a collective that its peers never join gives up.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,9 +28,12 @@ def main() -> None:
     parser.add_argument("--model-type", default="gpt2")
     parser.add_argument("--new-tokens", type=int, default=20)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout in seconds")
+    parser.add_argument("--fail-on-rank", type=int, default=None, help="demo: this rank raises mid-generate")
+    parser.add_argument("--stop-early-on-rank", type=int, default=None, help="demo: this rank generates fewer tokens")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     full = AutoModelForCausalLM.from_config(tiny_config(args.model_type)).eval()
@@ -34,6 +43,17 @@ def main() -> None:
     prompt = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]])  # batch 2, left-padded
     mask = (torch.arange(6) >= torch.tensor([[0], [3]])).long()
     kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+    if rank == args.fail_on_rank:
+        calls = []
+
+        def fail_third_forward(module, inputs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError(f"deliberate failure inside rank {rank}'s third forward")
+
+        model.register_forward_pre_hook(fail_third_forward)
+    if rank == args.stop_early_on_rank:
+        kwargs = {**kwargs, "max_new_tokens": 3}
     tokens = model.generate(prompt, **kwargs)
     if rank == 0:
         print("tokens:", tokens[:, prompt.shape[1]:].tolist(), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--save", default=None, help="write the unsharded checkpoint here (rank 0)")
     parser.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary shards")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="process-group timeout in seconds: a rank that left the loop early ends the job then")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
 

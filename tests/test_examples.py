@@ -51,3 +51,33 @@ def test_generate_example_matches_the_unsharded_model():
     assert "rank 0: matches the unsharded model: True" in out and "rank 1: matches the unsharded model: True" in out
     tokens = eval(out.split("tokens:", 1)[1].splitlines()[0])  # a printed list of lists of ints
     assert len(tokens) == 2 and all(len(row) == 20 for row in tokens) and len(set(tokens[0])) > 1
+
+
+def _torchrun_failing(script: str, *args: str, hang_guard: float = 120) -> tuple[int, str, float]:
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "examples" / script), *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=hang_guard)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"torchrun {script} {' '.join(args)} was still running after {hang_guard} s")
+    return proc.returncode, out, time.monotonic() - start
+
+
+def test_a_rank_raising_mid_generate_ends_the_whole_job_and_names_the_rank():
+    """torchrun sees rank 1 fail and stops rank 0, which was blocked in a collective: no 30-minute hang."""
+    code, out, seconds = _torchrun_failing("generate.py", "--fail-on-rank", "1", "--timeout", "600")
+    assert code != 0
+    assert "deliberate failure inside rank 1's third forward" in out
+    assert re.search(r"Root Cause \(first observed failure\):.*?rank\s*: 1", out, re.S), out[-3000:]
+    assert seconds < 600  # ended by torchrun, well before the process-group timeout
+
+
+def test_ranks_leaving_generate_out_of_step_end_at_the_explicit_process_group_timeout():
+    """Rank 0 stops early and waits in a barrier that rank 1 never joins: the explicit timeout ends the job."""
+    code, out, seconds = _torchrun_failing("generate.py", "--stop-early-on-rank", "0", "--timeout", "5")
+    assert code != 0 and ("Timed out" in out or "InputMismatchError" in out), out[-3000:]
