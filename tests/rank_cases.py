@@ -218,19 +218,37 @@ def adamw_case(ref: str, verify_index: int, class_name: str, steps: int = 3, ini
 
 
 def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
-    """Train mode with dropout: replicated outputs identical on every rank; checkpointing replays masks."""
+    """Train mode with dropout: replicated outputs identical on every rank; checkpointing replays masks;
+    the attention-probability masks inside the sharded region differ between ranks (each rank's heads
+    get their own mask, as slices of one full mask would)."""
+    from tpmap.engine import rng
+
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
+    full.set_attn_implementation("eager")  # attention dropout through F.dropout, where it can be seen
     inputs = verify.example_inputs(full.config)
     results = {}
     grads = []
+    sharded_masks = []
+    real_dropout = torch.nn.functional.dropout
+
+    def recording_dropout(x, p=0.5, training=True, inplace=False):
+        out = real_dropout(x, p, training, inplace)
+        if training and p > 0 and rng.in_sharded_region() and not sharded_masks:
+            sharded_masks.append((out == 0).contiguous())
+        return out
+
     for checkpointing in (False, True):
         model = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable()
         torch.manual_seed(1234)  # the same seed on every rank, as a training script sets it
-        out = verify.main_output(model(**inputs))
+        torch.nn.functional.dropout = recording_dropout
+        try:
+            out = verify.main_output(model(**inputs))
+        finally:
+            torch.nn.functional.dropout = real_dropout
         everyone = [torch.empty_like(out) for _ in range(ws)]
         dist.all_gather(everyone, out.detach().contiguous())
         results[f"ranks_agree_{checkpointing}"] = all(torch.equal(everyone[0], o) for o in everyone)
@@ -240,6 +258,11 @@ def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
             eval_out = verify.main_output(model.eval()(**inputs))
         results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(out, eval_out)
     results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    mask = sharded_masks[0] if sharded_masks else torch.zeros(0, dtype=torch.bool)
+    everyone = [torch.empty_like(mask) for _ in range(ws)]
+    dist.all_gather(everyone, mask)
+    results["sharded_masks_seen"] = mask.numel()
+    results["sharded_masks_differ"] = all(not torch.equal(everyone[0], m) for m in everyone[1:])
     return results
 
 
@@ -352,3 +375,42 @@ def backward_all_reduce_count(ref: str, class_name: str) -> dict:
     finally:
         dist.all_reduce = real
     return {"calls": len(calls), "layers": model.config.num_hidden_layers}
+
+
+def post_apply_invariants(ref: str, class_name: str) -> dict:
+    """What must hold after a *successful* apply: the shared config keeps the full sizes (so a saved
+    config describes the original model), per-module config copies hold this rank's values, and the
+    gathered state dict is the original one, name for name and bit for bit."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from tpmap.engine.plan import resolve_attr
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    full = verify.build_model(ref, 0, class_name)
+    original = full.config.to_dict()
+    model = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    plan = model.tpmap_plan
+    copies = []
+    for u in plan.updates:
+        owner, _, value = resolve_attr(model.get_submodule(u.module), u.attribute)
+        copies.append({"where": f"{u.module}.{u.attribute}", "per_rank": value == u.values[rank],
+                       "own_copy": owner is not model.config if u.via_config else True})
+    gathered = tpmap.full_state_dict(model)
+    want = full.state_dict()
+    saved = []
+    for config in (model.config, full.config):  # a config round trip adds fields: compare like with like
+        with tempfile.TemporaryDirectory() as tmp:
+            config.save_pretrained(tmp)
+            saved.append({k: v for k, v in AutoConfig.from_pretrained(tmp).to_dict().items() if k != "_name_or_path"})
+    return {
+        "shared_config_full": model.config.to_dict() == original,
+        "saved_config_full": saved[0] == saved[1],
+        "via_config_updates": sum(u.via_config for u in plan.updates),
+        "copies_ok": all(c["per_rank"] and c["own_copy"] for c in copies),
+        "bad_copies": [c for c in copies if not (c["per_rank"] and c["own_copy"])][:3],
+        "state_names_equal": list(gathered) == list(want),
+        "state_bit_equal": all(torch.equal(gathered[k], want[k]) for k in want),
+        "local_smaller": sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters()),
+    }

@@ -157,3 +157,30 @@ def test_invalid_expression_is_rejected_at_load():
     with pytest.raises(MappingErrors) as e:
         loader.load_text(text, "gpt2.yaml")
     assert "is not allowed in expression" in str(e.value)
+
+
+@pytest.mark.parametrize("ref,cls", [("phi3", "Phi3ForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+                                     ("mixtral", "MixtralForCausalLM")])
+def test_after_a_successful_apply_the_shared_config_and_checkpoint_describe_the_original(ranks, ref, cls):
+    for r in ranks(2).run(rank_cases.post_apply_invariants, ref, cls):
+        assert r["shared_config_full"] and r["saved_config_full"], r
+        assert r["copies_ok"], r["bad_copies"]
+        assert r["state_names_equal"] and r["state_bit_equal"] and r["local_smaller"], r
+        if ref == "phi3":
+            assert r["via_config_updates"] > 0  # the per-module config copy path is exercised
+
+
+def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_that_work():
+    """intermediate_size 190 at world size 4 must not silently cover 188 rows."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    import tpmap
+
+    spec = loader.for_model_type("llama").mapping.verify[0]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.for_model("llama", **{**spec.config, "intermediate_size": 190}))
+    with pytest.raises(tpmap.DivisibilityError) as info:
+        tpmap.plan(model, 4)
+    assert "190 features cannot be split over world size 4; world sizes that divide 190: 1, 2, 5, 10, 19, 38" \
+        in str(info.value), str(info.value)

@@ -93,6 +93,7 @@ def test_dropout_keeps_replicated_activations_identical(ranks, case):
         assert r["dropout_changed_output_False"] and r["dropout_changed_output_True"]  # dropout was active
         assert r["ranks_agree_False"] and r["ranks_agree_True"]
         assert r["checkpointing_same_grads"] <= 1e-6, r  # recomputation replayed the same masks
+        assert r["sharded_masks_seen"] > 0 and r["sharded_masks_differ"], r  # each rank's heads, own mask
 
 
 def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp_path):
