@@ -414,3 +414,20 @@ def post_apply_invariants(ref: str, class_name: str) -> dict:
         "state_bit_equal": all(torch.equal(gathered[k], want[k]) for k in want),
         "local_smaller": sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters()),
     }
+
+
+def meta_apply_error(ref: str, class_name: str) -> dict:
+    """apply on a model built on the meta device: a clear error before anything changes."""
+    from transformers import AutoConfig
+    import transformers
+
+    config = AutoConfig.for_model(verify.resolve(ref).mapping.model_type, **verify.resolve(ref).mapping.verify[0].config)
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(config)
+    classes = {n: type(m).__name__ for n, m in model.named_modules()}
+    try:
+        tpmap.apply(model, dist.get_world_size())
+    except tpmap.MetaDeviceError as e:
+        return {"error": "MetaDeviceError", "message": str(e),
+                "untouched": classes == {n: type(m).__name__ for n, m in model.named_modules()}}
+    return {"error": None}

@@ -184,3 +184,20 @@ def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_tha
         tpmap.plan(model, 4)
     assert "190 features cannot be split over world size 4; world sizes that divide 190: 1, 2, 5, 10, 19, 38" \
         in str(info.value), str(info.value)
+
+
+def test_apply_on_a_meta_device_model_says_to_load_the_weights_first(ranks):
+    for r in ranks(2).run(rank_cases.meta_apply_error, "llama", "LlamaForCausalLM"):
+        assert r["error"] == "MetaDeviceError" and r["untouched"], r
+        assert "meta device" in r["message"] and "from_pretrained" in r["message"]
+
+
+def test_a_failing_verify_case_prints_one_line_per_rank(ranks):
+    """The whole tracebacks (hundreds of lines) only with --verbose."""
+    from tpmap.launch import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        ranks(2).run(rank_cases.crash_on_rank, 1)
+    summary = info.value.summary().splitlines()
+    assert "  rank 1: RuntimeError: deliberate failure on rank 1" in summary, summary
+    assert len(summary) <= 3 and "Traceback" not in "\n".join(summary)  # the header, then a line per rank

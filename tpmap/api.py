@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import AlreadyAppliedError, InputMismatchError, LossParallelError, MappingError, ProcessGroupError
+from .errors import (
+    AlreadyAppliedError,
+    InputMismatchError,
+    LossParallelError,
+    MappingError,
+    MetaDeviceError,
+    ProcessGroupError,
+)
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
 
@@ -91,6 +98,11 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                                   f"(tp_size={getattr(model, PLAN_ATTR).tp_size}); apply it once, to the full model")
     loaded = load_mapping(model, mapping)
     tp_size, tp_rank = resolve_group(world_size, group)
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta and tp_size > 1:
+        raise MetaDeviceError(f"{type(model).__name__} has {len(meta)} parameters on the meta device (e.g. {meta[0]}): "
+                              "they hold no values to slice. Load the weights first (from_pretrained, or "
+                              "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
     plan = planning.build(model, loaded, tp_size)
     head = next((m for m in plan.modules if m.style == "vocab_head"), None)
     if loss_parallel and head is None:

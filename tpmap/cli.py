@@ -29,7 +29,8 @@ def _verify(args) -> int:
         print("tpmap verify: no case matches those world sizes", file=sys.stderr)
         return 2
     print(verify.HEADER, flush=True)
-    results = verify.run(case_list, timeout=args.timeout, log=lambda line: print(line, flush=True))
+    results = verify.run(case_list, timeout=args.timeout, log=lambda line: print(line, flush=True),
+                         verbose=args.verbose)
     failed = [r for r in results if not r.passed]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every shipped mapping")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
+    p.add_argument("--verbose", "-v", action="store_true", help="every failing rank's whole traceback")
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("plan", help="print which rank holds which slice, without running anything")

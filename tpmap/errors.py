@@ -82,6 +82,10 @@ class LossParallelError(TpmapError):
     """loss_parallel was asked for where it cannot be computed correctly."""
 
 
+class MetaDeviceError(TpmapError):
+    """`tpmap.apply` was given a model whose parameters are on the meta device (no values to slice)."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 

@@ -27,9 +27,17 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or hung. `per_rank` holds each rank's traceback or status."""
 
     def __init__(self, what: str, per_rank: dict[int, str]):
-        self.per_rank = per_rank
+        self.what, self.per_rank = what, per_rank
         details = "\n".join(f"--- rank {r} ---\n{msg.rstrip()}" for r, msg in sorted(per_rank.items()))
         super().__init__(f"{what}\n{details}")
+
+    def summary(self) -> str:
+        """One line per rank: the last line of its traceback (the exception), or its status."""
+        lines = [self.what]
+        for r, msg in sorted(self.per_rank.items()):
+            last = next((line.strip() for line in reversed(msg.strip().splitlines()) if line.strip()), "")
+            lines.append(f"  rank {r}: {last}")
+        return "\n".join(lines)
 
 
 def _free_port() -> int:

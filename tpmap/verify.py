@@ -172,8 +172,9 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
                   "; ".join(problems), per_rank[0].get("collectives"))
 
 
-def run(case_list: list[Case], timeout: float = 300.0, log=print) -> list[Result]:
-    """Run the cases, one RankPool per world size; world size 1 runs in this process."""
+def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False) -> list[Result]:
+    """Run the cases, one RankPool per world size; world size 1 runs in this process. A failing case
+    reports one line per rank (its exception); `verbose` gives every rank's whole traceback."""
     from .launch import RankFailure, RankPool
 
     results = []
@@ -188,7 +189,7 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print) -> list[Result
                     per_rank = pool.run(forward_case, *args, timeout=timeout) if pool else [forward_case(*args)]
                     res = judge(case, per_rank)
                 except RankFailure as e:
-                    res = Result(case, False, error=str(e))
+                    res = Result(case, False, error=str(e) if verbose else e.summary())
                 except Exception as e:  # world size 1 runs here: report it like a rank failure
                     res = Result(case, False, error=f"{type(e).__name__}: {e}")
                 results.append(res)
