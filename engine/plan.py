@@ -446,9 +446,18 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
         return ParamShard(names[0], tuple(param.shape), 0, pieces, False, per_rank, tuple(names[1:]))
 
     if emb is not None:
+        from .layers import lookup_bypass  # the same rule the engine's class swap relies on
+
         weight = shard_of(emb.weight)
         for name, module in named.items():
             if isinstance(module, nn.Embedding) and module.weight is emb.weight:
+                bypass = lookup_bypass(type(module))
+                if bypass is not None:
+                    raise _located(ModuleKindError, pos, f"vocab_parallel.embedding: {name} is a "
+                                   f"{type(module).__name__} whose {bypass} does not call super().forward, so "
+                                   "a vocabulary-split lookup cannot run under it (it would index the shard with "
+                                   "full-vocabulary ids); set vocab_parallel.embedding: false to keep it whole",
+                                   "module-kind")
                 shards.append(ModuleShard(name, "vocab_embedding", type(module).__name__, False, False, -1, weight, None))
     if head is not None:
         if head.weight.shape[0] != vocab:

@@ -3,6 +3,7 @@ numbers, before anything is changed (the model is compared before and after)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tpmap
 from tpmap import loader, verify
@@ -157,3 +158,33 @@ def test_invalid_expression_is_rejected_at_load():
     with pytest.raises(MappingErrors) as e:
         loader.load_text(text, "gpt2.yaml")
     assert "is not allowed in expression" in str(e.value)
+
+
+class _DirectLookupEmbedding(torch.nn.Embedding):
+    """Overrides forward without super().forward: a vocabulary split cannot run under it."""
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight, self.padding_idx) * 2.0
+
+
+def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
+    model = verify.build_model("llama", 0, "LlamaForCausalLM")
+    old = model.get_input_embeddings()
+    toy = _DirectLookupEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx)
+    toy.weight = old.weight
+    model.set_input_embeddings(toy)
+    before = rank_cases.state_signature(model)
+    for world_size in (1, 2):  # apply validates at 1; plan() builds the world size 2 plan without ranks
+        with pytest.raises(tpmap.ModuleKindError) as e:
+            tpmap.apply(model, 1) if world_size == 1 else tpmap.plan(model, world_size)
+        err = e.value
+        assert str(err).startswith(f"{loader.shipped_files()['llama']}:") and err.rule == "module-kind", str(err)
+        assert "model.embed_tokens is a _DirectLookupEmbedding" in str(err), str(err)
+        assert "_DirectLookupEmbedding.forward does not call super().forward" in str(err), str(err)
+        assert "set vocab_parallel.embedding: false" in str(err), str(err)
+    assert rank_cases.same_signature(before, rank_cases.state_signature(model))
+    # the advice works: with the embedding kept whole the plan builds (the LM head is still split)
+    text = shipped_text("llama").replace("vocab_parallel: {embedding: true,", "vocab_parallel: {embedding: false,")
+    assert "embedding: false" in text
+    plan = tpmap.plan(model, 2, mapping=loader.load_text(text, "llama.yaml"))
+    assert [m.style for m in plan.modules if m.style.startswith("vocab")] == ["vocab_head"]
