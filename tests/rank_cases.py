@@ -91,6 +91,27 @@ def gather_output_case() -> float:
     return (want - got).abs().max().item()
 
 
+def subclass_embedding_case(ref: str, verify_index: int, class_name: str) -> dict:
+    """The input embedding is an nn.Embedding subclass with its own forward (a scaled lookup) and is
+    split along the vocabulary: the sharded output equals the unsharded one, and the module keeps its
+    class (so its forward) and its buffers, with this rank's rows only."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, verify_index, class_name)
+    inputs = verify.example_inputs(full.config)
+    with torch.no_grad():
+        want = verify.main_output(full(**inputs))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    with torch.no_grad():
+        got = verify.main_output(sharded(**inputs))
+    before, after = full.get_input_embeddings(), sharded.get_input_embeddings()
+    scale = getattr(before, "embed_scale", 1.0)
+    return {"rel": (got - want).abs().max().item() / want.abs().max().item(),
+            "original_class": type(before).__name__, "class": type(after).__name__,
+            "keeps_class": isinstance(after, type(before)), "rows": after.weight.shape[0],
+            "vocab": before.num_embeddings, "embed_scale": float(scale),
+            "same_embed_scale": float(getattr(after, "embed_scale", 1.0)) == float(scale)}
+
+
 # -- training and generation ---------------------------------------------------------------------
 def zero_dropout_(model: torch.nn.Module) -> None:
     """Make train mode deterministic: every dropout probability (modules, attributes, configs) to 0."""

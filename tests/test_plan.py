@@ -157,3 +157,10 @@ def test_lookup_bypass_reads_every_forward_above_nn_embedding():
     assert combined.__mro__[1] is Scaled and issubclass(combined, nn.Embedding)
     assert lookup_bypass(combined) is None
 
+
+def test_shipped_scaled_word_embeddings_route_through_the_lookup():
+    from tpmap.engine.layers import lookup_bypass
+
+    for model_type in ("gemma2", "gemma3_text", "bart"):
+        emb = meta_model(model_type).get_input_embeddings()
+        assert type(emb).__name__.endswith("ScaledWordEmbedding") and lookup_bypass(type(emb)) is None
