@@ -188,3 +188,23 @@ def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
     assert "embedding: false" in text
     plan = tpmap.plan(model, 2, mapping=loader.load_text(text, "llama.yaml"))
     assert [m.style for m in plan.modules if m.style.startswith("vocab")] == ["vocab_head"]
+
+
+TIED_HALVES = {"lm_head-only": ("{embedding: false, lm_head: true}", "vocab_parallel.lm_head splits lm_head.weight",
+                                "tied to transformer.wte.weight", "(vocab_parallel.embedding: false)"),
+               "embedding-only": ("{embedding: true, lm_head: false}", "vocab_parallel.embedding splits transformer.wte",
+                                  "tied to lm_head.weight", "(vocab_parallel.lm_head: false)")}
+
+
+@pytest.mark.parametrize("name", TIED_HALVES)
+def test_half_of_a_tied_embedding_and_lm_head_is_refused(ranks, name):
+    """GPT-2's LM head is tied to wte: splitting one half only used to pass apply and then crash in
+    forward (IndexError) or return logits of a vocabulary slice. Refused at plan time, model untouched."""
+    spec, *needles = TIED_HALVES[name]
+    text = edited("gpt2", "vocab_parallel: {embedding: true, lm_head: true}", f"vocab_parallel: {spec}")
+    line = text.splitlines().index(next(x for x in text.splitlines() if x.startswith("vocab_parallel:"))) + 1
+    advice = "set both embedding and lm_head to true, or untie them (tie_word_embeddings: false)"
+    msg = fails_cleanly("gpt2", text, 1, PatternMatchError, *needles, advice)
+    assert msg.startswith(f"<test mapping>:{line}:1: "), msg
+    for r in ranks(2).run(rank_cases.apply_error, "gpt2", "GPT2LMHeadModel", 2, text):
+        assert r["error"] == "PatternMatchError" and advice in r["message"] and r["untouched"], r
