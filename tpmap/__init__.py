@@ -12,6 +12,7 @@ from .errors import (
     LossParallelError,
     MappingError,
     MappingErrors,
+    MissingInputError,
     ModuleKindError,
     PatternMatchError,
     ProcessGroupError,
@@ -24,5 +25,5 @@ __all__ = [
     "apply", "plan", "load_mapping", "full_state_dict", "vocab_parallel_cross_entropy", "InputMismatchError",
     "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
-    "AlreadyAppliedError",
+    "AlreadyAppliedError", "MissingInputError",
 ]

@@ -82,6 +82,11 @@ class LossParallelError(TpmapError):
     """loss_parallel was asked for where it cannot be computed correctly."""
 
 
+class MissingInputError(TpmapError):
+    """An example input for `tpmap verify` cannot be made: the model's main input is not declared in the
+    verify config's ``inputs``, or a declared shape names something the config does not have."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 

@@ -306,6 +306,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
+        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config)):
+            report.add(d)
     report.add_errors(planning.check_expressions(default, loaded))
 
     replicated_hit: set[int] = set()
@@ -374,6 +376,40 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                       list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
             report.add(d)
     return report.items
+
+
+def verify_inputs(loaded: LoadedMapping, v: int, classes: list, config_keys: set[str]) -> list[Diagnostic]:
+    """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
+    class's main input is input_ids (derived) or declared; declared names are arguments of every
+    class's forward; their shapes name config attributes (or `batch` / `seq`)."""
+    from .. import expr
+
+    spec, src = loaded.mapping.verify[v], loaded.source
+    out = []
+    for cls in classes:
+        main = getattr(cls, "main_input_name", "input_ids")
+        if main != "input_ids" and main not in spec.inputs:
+            out.append(Diagnostic.at(src.value(("verify", v)), "missing-key",
+                                     f"missing input {main!r} in verify.{v}.inputs: {cls.__name__}'s main input is "
+                                     f"{main}, whose shape tpmap cannot derive; declare it, e.g. inputs: "
+                                     f"{{{main}: {{shape: [batch, ...], kind: float}}}}"))
+            break
+    for name, declared in spec.inputs.items():
+        for cls in classes:
+            arguments = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+            if name not in arguments:
+                out.append(Diagnostic.at(src.key(("verify", v, "inputs", name)), "unknown-key",
+                                         f"{cls.__name__}.forward has no argument {name!r}"
+                                         f"{did_you_mean(name, arguments)}; inputs are named by forward argument"))
+                break
+        for k, dim in enumerate(declared.shape):
+            for n in sorted(expr.names(dim) - {"batch", "seq"}):
+                if n not in config_keys:
+                    out.append(Diagnostic.at(src.value(("verify", v, "inputs", name, "shape", k)), "config-attribute",
+                                             f"input {name!r}: the config has no attribute {n!r}"
+                                             f"{did_you_mean(n, config_keys)}; shapes use config attributes, "
+                                             "batch and seq"))
+    return out
 
 
 def _reads(cls, name: str) -> bool:
