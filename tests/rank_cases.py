@@ -144,6 +144,11 @@ def loss_kwargs(model: torch.nn.Module, inputs: dict) -> tuple[dict, bool]:
     return inputs, True
 
 
+def in_dtype(inputs: dict, dtype: torch.dtype) -> dict:
+    """Floating-point inputs (Whisper's input_features) in the model's dtype; ids and masks unchanged."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
 def loss_of(model, inputs: dict, has_labels: bool) -> torch.Tensor:
     out = model(**inputs)
     if has_labels:
@@ -188,7 +193,7 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
     """One forward/backward of a transformers loss: every local gradient equals the unsharded slice."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
-    inputs, has_labels = loss_kwargs(full, verify.case_inputs(ref, verify_index, full))
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
     loss_full = loss_of(full, inputs, has_labels)
     loss_full.backward()
@@ -213,7 +218,7 @@ def adamw_case(ref: str, verify_index: int, class_name: str, steps: int = 3, ini
     step in *any* reordering of the sums; in fp64 the same comparison is exact to ~1e-12."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name, init_std=init_std).to(dtype)
-    inputs, has_labels = loss_kwargs(full, verify.case_inputs(ref, verify_index, full))
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
     losses = []
     for model in (full, sharded):
