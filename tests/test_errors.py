@@ -208,3 +208,10 @@ def test_half_of_a_tied_embedding_and_lm_head_is_refused(ranks, name):
     assert msg.startswith(f"<test mapping>:{line}:1: "), msg
     for r in ranks(2).run(rank_cases.apply_error, "gpt2", "GPT2LMHeadModel", 2, text):
         assert r["error"] == "PatternMatchError" and advice in r["message"] and r["untouched"], r
+
+
+def test_unknown_key_in_a_verify_input_lists_the_input_keys():
+    text = edited("whisper", "      input_features: {shape: [batch,", "      input_features: {shap: [batch,")
+    with pytest.raises(MappingErrors) as e:
+        loader.load_text(text, "whisper.yaml")
+    assert "unknown key 'shap' (did you mean shape?); valid keys here: shape, kind" in str(e.value), str(e.value)
