@@ -163,8 +163,10 @@ def vocab_parallel_class(original: type) -> type:
     VocabParallelEmbedding itself for a plain nn.Embedding, else ``VocabParallel<Name>`` with bases
     ``(original, VocabParallelEmbedding)``, whose MRO puts the parallel lookup right under
     `original`'s own forward."""
-    if original is nn.Embedding or issubclass(original, VocabParallelEmbedding):
+    if original is nn.Embedding:
         return VocabParallelEmbedding
+    if issubclass(original, VocabParallelEmbedding):  # already one (a copy of a split module)
+        return original
     if original not in _VOCAB_PARALLEL_CLASSES:
         name = "VocabParallel" + original.__name__
         _VOCAB_PARALLEL_CLASSES[original] = type(name, (original, VocabParallelEmbedding),
