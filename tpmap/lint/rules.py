@@ -378,10 +378,10 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     return report.items
 
 
-def verify_inputs(loaded: LoadedMapping, v: int, classes: list, config_keys: set[str]) -> list[Diagnostic]:
+def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str]) -> list[Diagnostic]:
     """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
     class's main input is input_ids (derived) or declared; declared names are arguments of every
-    class's forward; their shapes name config attributes (or `batch` / `seq`)."""
+    class's forward; their shapes name config attributes (`known`: the config's keys) or `batch` / `seq`."""
     from .. import expr
 
     spec, src = loaded.mapping.verify[v], loaded.source
@@ -404,10 +404,10 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, config_keys: set
                 break
         for k, dim in enumerate(declared.shape):
             for n in sorted(expr.names(dim) - {"batch", "seq"}):
-                if n not in config_keys:
+                if n not in known:
                     out.append(Diagnostic.at(src.value(("verify", v, "inputs", name, "shape", k)), "config-attribute",
                                              f"input {name!r}: the config has no attribute {n!r}"
-                                             f"{did_you_mean(n, config_keys)}; shapes use config attributes, "
+                                             f"{did_you_mean(n, known)}; shapes use config attributes, "
                                              "batch and seq"))
     return out
 
