@@ -35,7 +35,7 @@ def rank_check(ref: str, index: int, cls: str) -> dict:
     cpu_model = verify.build_model(ref, index, cls)
     full = copy.deepcopy(cpu_model).to(device)
     sharded = tpmap.apply(copy.deepcopy(cpu_model), ws).to(device)  # shard on the CPU, then move: the usual order
-    inputs, has_labels = rank_cases.loss_kwargs(full, verify.example_inputs(full.config))
+    inputs, has_labels = rank_cases.loss_kwargs(full, verify.case_inputs(ref, index, full))
     inputs = {k: v.to(device) for k, v in inputs.items()}
     out_full, out = full(**inputs), sharded(**inputs)
     fwd = (verify.main_output(out) - verify.main_output(out_full)).abs().max().item()
@@ -59,7 +59,7 @@ def rank_check(ref: str, index: int, cls: str) -> dict:
     sharded.train()
     torch.manual_seed(3)
     with torch.no_grad():
-        y = verify.main_output(sharded(**{k: v.to(device) for k, v in verify.example_inputs(full.config).items()}))
+        y = verify.main_output(sharded(**{k: v.to(device) for k, v in verify.case_inputs(ref, index, full).items()}))
     everyone = [torch.empty_like(y) for _ in range(ws)]
     dist.all_gather(everyone, y.contiguous())
     agree = all(torch.equal(everyone[0], o) for o in everyone)

@@ -5,6 +5,10 @@ rank's slice (see `engine.plan` for which slice).
 """
 from __future__ import annotations
 
+import copy
+import dis
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,24 +106,44 @@ class ColumnParallelEmbedding(_TPModule):
                            self.scale_grad_by_freq, self.sparse)
 
 
-class VocabParallelEmbedding(_TPModule):
+class VocabParallelEmbedding(nn.Embedding):
     """An nn.Embedding split along the vocabulary (Megatron's VocabParallelEmbedding).
 
     Rank r holds rows [vocab_start, vocab_end) (zero-padded to the common local size). Ids outside
     the range look up nothing (a zero row); the all-reduce sums the one rank that had each id.
     E: (V, H) -> (V_pad/ws, H); ids (B, T) -> (B, T, H), replicated.
+
+    It is a cooperative nn.Embedding: its ``forward`` *is* the lookup. A model's own nn.Embedding
+    subclass (Gemma's and BART's scaled word embeddings multiply the lookup by ``embed_scale``) is
+    replaced by ``VocabParallel<Name>``, a class built once per subclass with bases
+    ``(Subclass, VocabParallelEmbedding)`` (`vocab_parallel_class`): the subclass's own ``forward``
+    still runs, and its ``super().forward(ids)`` lands here, in the parallel lookup. Build one with
+    `replacing`, which takes over the original module's state (buffers such as ``embed_scale``,
+    attributes, hooks) with the weight swapped for the shard. `lookup_bypass` tells at plan time
+    whether a subclass's forward really reaches the lookup through ``super().forward``.
+
+    ``num_embeddings`` keeps the full vocabulary; ``padding_idx`` is local to the shard (None on the
+    ranks that do not hold it), so code that indexes the weight by it stays in bounds.
     """
 
-    def __init__(self, weight, source: nn.Embedding, *, vocab_start: int, vocab_end: int, group):
-        super().__init__(group)
-        self.weight, self.vocab_start, self.vocab_end = weight, vocab_start, vocab_end
-        pad = source.padding_idx
-        self.padding_idx = pad - vocab_start if pad is not None and vocab_start <= pad < vocab_end else None
-        self.max_norm, self.norm_type = source.max_norm, source.norm_type
-        self.scale_grad_by_freq, self.sparse = source.scale_grad_by_freq, source.sparse
-        self.num_embeddings, self.embedding_dim = source.num_embeddings, source.embedding_dim
-        if self.max_norm is not None:
+    tp_group = None  # set per instance, outside the module tree (a group cannot be deep-copied or saved)
+
+    @classmethod
+    def replacing(cls, source: nn.Embedding, weight: nn.Parameter, *, vocab_start: int, vocab_end: int,
+                  group) -> "VocabParallelEmbedding":
+        """A vocab-parallel copy of `source` holding `weight` (rows [vocab_start, vocab_end)). Only reads
+        `source`: its parameter, buffer and hook containers are copied, never changed."""
+        if source.max_norm is not None:
             raise NotImplementedError("vocab-parallel nn.Embedding with max_norm (renormalises rows in place)")
+        klass = vocab_parallel_class(type(source))
+        new = klass.__new__(klass)  # no __init__: the new module is the old one's state with a sharded weight
+        new.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in vars(source).items()})
+        new.weight = weight
+        new.__dict__["tp_group"] = group
+        new.vocab_start, new.vocab_end = vocab_start, vocab_end
+        pad = source.padding_idx
+        new.padding_idx = pad - vocab_start if pad is not None and vocab_start <= pad < vocab_end else None
+        return new
 
     def forward(self, ids):  # (B, T) -> (B, T, H)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -131,6 +155,68 @@ class VocabParallelEmbedding(_TPModule):
 
     def extra_repr(self) -> str:
         return f"rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, local={tuple(self.weight.shape)}"
+
+
+_VOCAB_PARALLEL_CLASSES: dict[type, type] = {}
+
+
+def vocab_parallel_class(original: type) -> type:
+    """The vocab-parallel class that replaces an nn.Embedding of class `original` (cached per class):
+    VocabParallelEmbedding itself for a plain nn.Embedding, else ``VocabParallel<Name>`` with bases
+    ``(original, VocabParallelEmbedding)``, whose MRO puts the parallel lookup right under
+    `original`'s own forward."""
+    if original is nn.Embedding:
+        return VocabParallelEmbedding
+    if issubclass(original, VocabParallelEmbedding):  # already one (a copy of a split module)
+        return original
+    if original not in _VOCAB_PARALLEL_CLASSES:
+        name = "VocabParallel" + original.__name__
+        _VOCAB_PARALLEL_CLASSES[original] = type(name, (original, VocabParallelEmbedding),
+                                                 {"__module__": __name__, "__qualname__": name})
+    return _VOCAB_PARALLEL_CLASSES[original]
+
+
+_ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"}
+
+
+def _calls_super_forward(function) -> bool:
+    """Whether the bytecode of `function` calls ``super().forward`` (or ``super(Cls, self).forward``):
+    a load of the global ``super`` whose next attribute load is ``forward``."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return False
+    after_super = False
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL" and ins.argval == "super":
+            after_super = True
+        elif after_super and ins.opname in _ATTRIBUTE_LOADS:
+            if ins.argval == "forward":
+                return True
+            after_super = False
+    return False
+
+
+def lookup_bypass(cls: type) -> str | None:
+    """For an nn.Embedding subclass: None when its forward reaches ``nn.Embedding.forward`` through
+    ``super().forward``, so that `vocab_parallel_class` can slot the parallel lookup under it; else
+    the qualified name of the first ``forward`` (in MRO order, above nn.Embedding) that does not.
+
+    How: every class of the MRO before nn.Embedding that defines ``forward`` must call
+    ``super().forward`` (zero-argument or explicit ``super(Cls, self)``), read from the function's
+    bytecode (decorators are unwrapped; the source file is not needed, nothing is run, so it works on
+    the meta device). A forward that looks its rows up itself (``F.embedding(ids, self.weight)``,
+    ``self.weight[ids]``) or calls ``nn.Embedding.forward(self, ids)`` by name would bypass the
+    parallel lookup and index the shard with full-vocabulary ids. Limits: the check proves that such
+    a call exists, not that every path takes it, nor that the forward reads no other rows of
+    ``self.weight`` (`tpmap verify` catches those numerically).
+    """
+    for klass in cls.__mro__:
+        if klass is nn.Embedding or klass is VocabParallelEmbedding:
+            return None
+        forward = klass.__dict__.get("forward")
+        if forward is not None and not _calls_super_forward(forward):
+            return f"{klass.__module__}.{klass.__qualname__}.forward"
+    return None
 
 
 class VocabParallelLMHead(_TPModule):

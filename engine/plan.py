@@ -301,6 +301,22 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
     if head is not None and not isinstance(head, nn.Linear):
         raise _located(ModuleKindError, pos, f"vocab_parallel.lm_head: the output embedding is a "
                        f"{type(head).__name__}, not an nn.Linear; set lm_head: false", "module-kind")
+    # One half of a tied pair split alone would leave the other half holding the shard (a whole LM head
+    # with a vocabulary slice for a weight: wrong-sized logits; a plain lookup into a slice: IndexError).
+    # Every holder of a split weight must be a module this split replaces.
+    replaced = {n for n, m in named.items()
+                if m is head or (emb is not None and isinstance(m, nn.Embedding) and m.weight is emb.weight)}
+    for module in (m for m in (emb, head) if m is not None):
+        holders = {n.rpartition(".")[0] for n in by_id[id(module.weight)]}
+        whole = sorted(holders - replaced)
+        if whole:
+            half, other = ("embedding", "lm_head") if module is emb else ("lm_head", "embedding")
+            mine = next(n for n, m in named.items() if m is module)
+            message = (f"vocab_parallel.{half} splits {mine}.weight along the vocabulary, but it is "
+                       f"tied to {', '.join(n + '.weight' for n in whole)}, which stays whole"
+                       + (f" (vocab_parallel.{other}: false)" if not getattr(spec, other) else "")
+                       + f"; set both embedding and lm_head to true, or untie them (tie_word_embeddings: false)")
+            raise _located(PatternMatchError, loaded.source.key(("vocab_parallel",)), message, "tied-parameter")
     vocab = emb.weight.shape[0] if emb is not None else (head.weight.shape[0] if head is not None else None)
     if vocab is None:
         return []
@@ -316,9 +332,18 @@ def _vocab_parallel(model: nn.Module, spec, tp_size: int, owner: dict, loaded: L
         return ParamShard(names[0], tuple(param.shape), 0, pieces, False, per_rank, tuple(names[1:]))
 
     if emb is not None:
+        from .layers import lookup_bypass  # the same rule the engine's class swap relies on
+
         weight = shard_of(emb.weight)
         for name, module in named.items():
             if isinstance(module, nn.Embedding) and module.weight is emb.weight:
+                bypass = lookup_bypass(type(module))
+                if bypass is not None:
+                    raise _located(ModuleKindError, pos, f"vocab_parallel.embedding: {name} is a "
+                                   f"{type(module).__name__} whose {bypass} does not call super().forward, so "
+                                   "a vocabulary-split lookup cannot run under it (it would index the shard with "
+                                   "full-vocabulary ids); set vocab_parallel.embedding: false to keep it whole "
+                                   "(and lm_head: false if the LM head is tied to it)", "module-kind")
                 shards.append(ModuleShard(name, "vocab_embedding", type(module).__name__, False, False, -1, weight, None))
     if head is not None:
         if head.weight.shape[0] != vocab:

@@ -84,7 +84,8 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
     bias = None if ms.bias is None else param(old.bias, ms.bias)
     if ms.style == "vocab_embedding":
         start, n = ms.weight.pieces[rank][0]
-        new = VocabParallelEmbedding(weight, old, vocab_start=start, vocab_end=start + n, group=group)
+        # keeps the class's own forward (e.g. a scaled embedding) around the parallel lookup
+        new = VocabParallelEmbedding.replacing(old, weight, vocab_start=start, vocab_end=start + n, group=group)
     elif ms.style == "vocab_head":
         start, n = ms.weight.pieces[rank][0]
         new = VocabParallelLMHead(weight, bias, vocab_start=start, vocab_end=start + n,

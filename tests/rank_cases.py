@@ -91,6 +91,27 @@ def gather_output_case() -> float:
     return (want - got).abs().max().item()
 
 
+def subclass_embedding_case(ref: str, verify_index: int, class_name: str) -> dict:
+    """The input embedding is an nn.Embedding subclass with its own forward (a scaled lookup) and is
+    split along the vocabulary: the sharded output equals the unsharded one, and the module keeps its
+    class (so its forward) and its buffers, with this rank's rows only."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, verify_index, class_name)
+    inputs = verify.case_inputs(ref, verify_index, full)
+    with torch.no_grad():
+        want = verify.main_output(full(**inputs))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    with torch.no_grad():
+        got = verify.main_output(sharded(**inputs))
+    before, after = full.get_input_embeddings(), sharded.get_input_embeddings()
+    scale = getattr(before, "embed_scale", 1.0)
+    return {"rel": (got - want).abs().max().item() / want.abs().max().item(),
+            "original_class": type(before).__name__, "class": type(after).__name__,
+            "keeps_class": isinstance(after, type(before)), "rows": after.weight.shape[0],
+            "vocab": before.num_embeddings, "embed_scale": float(scale),
+            "same_embed_scale": float(getattr(after, "embed_scale", 1.0)) == float(scale)}
+
+
 # -- training and generation ---------------------------------------------------------------------
 def zero_dropout_(model: torch.nn.Module) -> None:
     """Make train mode deterministic: every dropout probability (modules, attributes, configs) to 0."""
@@ -112,7 +133,7 @@ def loss_kwargs(model: torch.nn.Module, inputs: dict) -> tuple[dict, bool]:
     inputs = dict(inputs)
     name = type(model).__name__
     if "SequenceClassification" in name:
-        inputs["labels"] = torch.arange(inputs["input_ids"].shape[0]) % model.config.num_labels
+        inputs["labels"] = torch.arange(inputs[model.main_input_name].shape[0]) % model.config.num_labels
         return inputs, True
     if model.get_output_embeddings() is None:
         return inputs, False
@@ -121,6 +142,11 @@ def loss_kwargs(model: torch.nn.Module, inputs: dict) -> tuple[dict, bool]:
     else:
         inputs["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
     return inputs, True
+
+
+def in_dtype(inputs: dict, dtype: torch.dtype) -> dict:
+    """Floating-point inputs (Whisper's input_features) in the model's dtype; ids and masks unchanged."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def loss_of(model, inputs: dict, has_labels: bool) -> torch.Tensor:
@@ -169,7 +195,7 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")  # grouped_mm (the fp32 default, tested there) has no fp64 kernel
-    inputs, has_labels = loss_kwargs(full, verify.example_inputs(full.config))
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
     loss_full = loss_of(full, inputs, has_labels)
     loss_full.backward()
@@ -194,7 +220,7 @@ def adamw_case(ref: str, verify_index: int, class_name: str, steps: int = 3, ini
     step in *any* reordering of the sums; in fp64 the same comparison is exact to ~1e-12."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name, init_std=init_std).to(dtype)
-    inputs, has_labels = loss_kwargs(full, verify.example_inputs(full.config))
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
     losses = []
     for model in (full, sharded):
@@ -226,7 +252,7 @@ def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     full.set_attn_implementation("eager")  # attention dropout through F.dropout, where it can be seen
-    inputs = verify.example_inputs(full.config)
+    inputs = verify.case_inputs(ref, verify_index, full)
     results = {}
     grads = []
     sharded_masks = []
@@ -286,28 +312,34 @@ def rng_region_case() -> dict:
 
 def generate_case(ref: str, verify_index: int, class_name: str, cache: str | None = None,
                   new_tokens: int = 20, loss_parallel: bool = False) -> dict:
-    """Greedy generate, batch 2 left-padded: the same tokens as the unsharded model on every rank."""
+    """Greedy generate, batch 2: the same tokens as the unsharded model on every rank. Token prompts are
+    left-padded (decoder-only); a model whose main input is not input_ids (Whisper's input_features)
+    generates from its verify config's example of that input."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     cfg = full.config
-    gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=gen)
-    mask = torch.ones_like(ids)
-    if not getattr(cfg, "is_encoder_decoder", False):
-        ids[1, :3] = 0  # left padding
-        mask[1, :3] = 0
+    encoder_decoder = getattr(cfg, "is_encoder_decoder", False)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
-                  attention_mask=mask)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    if full.main_input_name == "input_ids":
+        gen = torch.Generator().manual_seed(11)
+        prompt = torch.randint(3, cfg.vocab_size, (2, 7), generator=gen)
+        mask = torch.ones_like(prompt)
+        if not encoder_decoder:
+            prompt[1, :3] = 0  # left padding
+            mask[1, :3] = 0
+        kwargs["attention_mask"] = mask
+    else:
+        prompt = verify.case_inputs(ref, verify_index, full)[full.main_input_name]
     if cache is not None:
         kwargs["cache_implementation"] = cache
-    want = full.generate(ids, **kwargs)
+    want = full.generate(prompt, **kwargs)
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
-    got = sharded.generate(ids, **kwargs)
+    got = sharded.generate(prompt, **kwargs)
     everyone = [torch.empty_like(got) for _ in range(ws)]
     dist.all_gather(everyone, got.contiguous())
     return {"same_as_full": torch.equal(want, got), "ranks_agree": all(torch.equal(got, o) for o in everyone),
-            "new_tokens": got.shape[1] - (0 if getattr(cfg, "is_encoder_decoder", False) else ids.shape[1]),
+            "new_tokens": got.shape[1] - (0 if encoder_decoder else prompt.shape[1]),
             "tokens": got[:, -5:].tolist()}
 
 
@@ -318,7 +350,7 @@ def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
     the model must refuse labels, and tpmap.vocab_parallel_cross_entropy on its logits gives the loss."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     full = verify.build_model(ref, verify_index, class_name)
-    inputs, _ = loss_kwargs(full, verify.example_inputs(full.config))
+    inputs, _ = loss_kwargs(full, verify.case_inputs(ref, verify_index, full))
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=True)
     zero_dropout_(sharded)
     sharded.train()  # loss_parallel keeps the logits split in training mode
@@ -345,7 +377,7 @@ def mismatched_inputs_case(ref: str, class_name: str) -> dict:
     """Rank 1 gets other input ids: every rank raises InputMismatchError, none hangs."""
     ws = dist.get_world_size()
     model = tpmap.apply(verify.build_model(ref, 0, class_name), ws)
-    inputs = verify.example_inputs(model.config)
+    inputs = verify.case_inputs(ref, 0, model)
     if dist.get_rank() == 1:
         inputs["input_ids"] = inputs["input_ids"].flip(0)
     try:
@@ -356,11 +388,29 @@ def mismatched_inputs_case(ref: str, class_name: str) -> dict:
     return {"error": None, "message": ""}
 
 
+def mismatched_main_input_case(ref: str, verify_index: int, class_name: str) -> dict:
+    """Rank 1 gets other values of the model's main input (Whisper's input_features, passed
+    positionally): every rank raises InputMismatchError; with the same inputs the forward runs."""
+    ws = dist.get_world_size()
+    model = tpmap.apply(verify.build_model(ref, verify_index, class_name), ws, mapping=verify.resolve(ref))
+    inputs = verify.case_inputs(ref, verify_index, model)
+    main = inputs.pop(model.main_input_name)
+    with torch.no_grad():
+        model(main, **inputs)  # same inputs everywhere: no error
+        if dist.get_rank() == 1:
+            main = main.flip(0)
+        try:
+            model(main, **inputs)
+        except tpmap.InputMismatchError as e:
+            return {"error": "InputMismatchError", "message": str(e)}
+    return {"error": None, "message": ""}
+
+
 def backward_all_reduce_count(ref: str, class_name: str) -> dict:
     """How many all-reduces one backward pass issues (the real collective, counted on the way through)."""
     ws = dist.get_world_size()
     model = tpmap.apply(verify.build_model(ref, 0, class_name), ws)
-    inputs, _ = loss_kwargs(model, verify.example_inputs(model.config))
+    inputs, _ = loss_kwargs(model, verify.case_inputs(ref, 0, model))
     loss = model(**inputs).loss
     calls = []
     real = dist.all_reduce

@@ -3,6 +3,7 @@ numbers, before anything is changed (the model is compared before and after)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tpmap
 from tpmap import loader, verify
@@ -201,3 +202,60 @@ def test_a_failing_verify_case_prints_one_line_per_rank(ranks):
     summary = info.value.summary().splitlines()
     assert "  rank 1: RuntimeError: deliberate failure on rank 1" in summary, summary
     assert len(summary) <= 3 and "Traceback" not in "\n".join(summary)  # the header, then a line per rank
+
+
+class _DirectLookupEmbedding(torch.nn.Embedding):
+    """Overrides forward without super().forward: a vocabulary split cannot run under it."""
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight, self.padding_idx) * 2.0
+
+
+def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
+    model = verify.build_model("llama", 0, "LlamaForCausalLM")
+    old = model.get_input_embeddings()
+    toy = _DirectLookupEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx)
+    toy.weight = old.weight
+    model.set_input_embeddings(toy)
+    before = rank_cases.state_signature(model)
+    for world_size in (1, 2):  # apply validates at 1; plan() builds the world size 2 plan without ranks
+        with pytest.raises(tpmap.ModuleKindError) as e:
+            tpmap.apply(model, 1) if world_size == 1 else tpmap.plan(model, world_size)
+        err = e.value
+        assert str(err).startswith(f"{loader.shipped_files()['llama']}:") and err.rule == "module-kind", str(err)
+        assert "model.embed_tokens is a _DirectLookupEmbedding" in str(err), str(err)
+        assert "_DirectLookupEmbedding.forward does not call super().forward" in str(err), str(err)
+        assert "set vocab_parallel.embedding: false" in str(err), str(err)
+    assert rank_cases.same_signature(before, rank_cases.state_signature(model))
+    # the advice works: with the embedding kept whole the plan builds (the LM head is still split)
+    text = shipped_text("llama").replace("vocab_parallel: {embedding: true,", "vocab_parallel: {embedding: false,")
+    assert "embedding: false" in text
+    plan = tpmap.plan(model, 2, mapping=loader.load_text(text, "llama.yaml"))
+    assert [m.style for m in plan.modules if m.style.startswith("vocab")] == ["vocab_head"]
+
+
+TIED_HALVES = {"lm_head-only": ("{embedding: false, lm_head: true}", "vocab_parallel.lm_head splits lm_head.weight",
+                                "tied to transformer.wte.weight", "(vocab_parallel.embedding: false)"),
+               "embedding-only": ("{embedding: true, lm_head: false}", "vocab_parallel.embedding splits transformer.wte",
+                                  "tied to lm_head.weight", "(vocab_parallel.lm_head: false)")}
+
+
+@pytest.mark.parametrize("name", TIED_HALVES)
+def test_half_of_a_tied_embedding_and_lm_head_is_refused(ranks, name):
+    """GPT-2's LM head is tied to wte: splitting one half only used to pass apply and then crash in
+    forward (IndexError) or return logits of a vocabulary slice. Refused at plan time, model untouched."""
+    spec, *needles = TIED_HALVES[name]
+    text = edited("gpt2", "vocab_parallel: {embedding: true, lm_head: true}", f"vocab_parallel: {spec}")
+    line = text.splitlines().index(next(x for x in text.splitlines() if x.startswith("vocab_parallel:"))) + 1
+    advice = "set both embedding and lm_head to true, or untie them (tie_word_embeddings: false)"
+    msg = fails_cleanly("gpt2", text, 1, PatternMatchError, *needles, advice)
+    assert msg.startswith(f"<test mapping>:{line}:1: "), msg
+    for r in ranks(2).run(rank_cases.apply_error, "gpt2", "GPT2LMHeadModel", 2, text):
+        assert r["error"] == "PatternMatchError" and advice in r["message"] and r["untouched"], r
+
+
+def test_unknown_key_in_a_verify_input_lists_the_input_keys():
+    text = edited("whisper", "      input_features: {shape: [batch,", "      input_features: {shap: [batch,")
+    with pytest.raises(MappingErrors) as e:
+        loader.load_text(text, "whisper.yaml")
+    assert "unknown key 'shap' (did you mean shape?); valid keys here: shape, kind" in str(e.value), str(e.value)

@@ -6,6 +6,8 @@ import pytest
 
 from tpmap import loader, verify
 
+import rank_cases
+
 SHIPPED = list(loader.shipped_files())
 CASES = verify.cases(SHIPPED)
 
@@ -79,3 +81,26 @@ def test_verify_reports_the_collectives_of_one_forward(ranks):
     layers = verify.tiny_config(case.ref, case.verify_index).num_hidden_layers
     assert result.collectives == {"all_reduce": 2 * layers + 1, "all_gather": 2}, result.collectives
     assert verify.comm_summary(result.collectives) == f"{2 * layers + 1}ar+2ag"
+
+
+SUBCLASS_EMBEDDINGS = {  # nn.Embedding subclasses whose forward scales the lookup (embed_scale != 1)
+    "gemma2": (0, "Gemma2ForCausalLM"),  # Gemma2TextScaledWordEmbedding: * sqrt(hidden_size), a buffer
+    "gemma3_text": (0, "Gemma3ForCausalLM"),
+    "bart-scale_embedding": (0, "BartForConditionalGeneration"),  # BartScaledWordEmbedding: a float attribute
+}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("name", SUBCLASS_EMBEDDINGS)
+def test_vocab_parallel_keeps_an_embedding_subclass_forward(ranks, name, ws):
+    """Replacing Gemma's or BART's scaled word embedding by a plain masked lookup dropped the scale
+    (relative error ~1); the vocab-parallel module must keep the subclass's own forward."""
+    ref = name.split("-")[0]
+    index, cls = SUBCLASS_EMBEDDINGS[name]
+    assert verify.resolve(ref).mapping.vocab_parallel.embedding
+    for r in ranks(ws).run(rank_cases.subclass_embedding_case, ref, index, cls):
+        assert r["embed_scale"] != 1.0 and r["original_class"] != "Embedding", r  # the case is meaningful
+        assert r["keeps_class"] and r["class"] == "VocabParallel" + r["original_class"], r
+        assert r["same_embed_scale"], r
+        assert r["rows"] == -(-r["vocab"] // ws), r  # really split along the vocabulary
+        assert r["rel"] <= verify.RTOL, r

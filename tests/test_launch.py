@@ -59,3 +59,59 @@ def test_verify_cli_passes_and_prints_the_table():
 def test_verify_cli_rejects_unknown_model_types():
     proc = _verify_cli("not_a_model")
     assert proc.returncode == 2 and "supported: " in proc.stderr
+
+
+def _meta(ref: str, index: int = 0, class_name: str | None = None):
+    import torch
+    import transformers
+
+    from tpmap import verify
+
+    spec = verify.resolve(ref).mapping.verify[index]
+    with torch.device("meta"):
+        return getattr(transformers, class_name or spec.models[0])(verify.tiny_config(ref, index))
+
+
+def test_example_inputs_follow_the_model_class():
+    """input_ids + attention_mask for a token model, decoder_input_ids for an encoder-decoder, and a
+    declared main input for any other (Whisper's input_features, batch x mel bins x 2 * positions)."""
+    import torch
+
+    from tpmap import verify
+
+    llama = verify.case_inputs("llama", 0, _meta("llama"))
+    assert {k: tuple(v.shape) for k, v in llama.items()} == {"input_ids": (2, 10), "attention_mask": (2, 10)}
+    assert llama["attention_mask"][1].tolist() == [1] * 7 + [0] * 3
+    t5 = verify.case_inputs("t5", 0, _meta("t5"))
+    assert {k: tuple(v.shape) for k, v in t5.items()} == {"input_ids": (2, 10), "attention_mask": (2, 10),
+                                                          "decoder_input_ids": (2, 6)}
+    for cls in ("WhisperForConditionalGeneration", "WhisperModel"):
+        whisper = verify.case_inputs("whisper", 0, _meta("whisper", 0, cls))
+        assert {k: tuple(v.shape) for k, v in whisper.items()} == {"input_features": (2, 8, 16),
+                                                                   "decoder_input_ids": (2, 6)}
+        assert whisper["input_features"].dtype == torch.float32 and whisper["decoder_input_ids"].min() >= 3
+
+
+def test_an_undeclared_main_input_is_a_located_error(tmp_path):
+    from tpmap import verify
+    from tpmap.errors import MappingError
+
+    text = loader.shipped_files()["whisper"].read_text()
+    declared = "    inputs:\n      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n"
+    assert declared in text
+    path = tmp_path / "whisper.yaml"
+    path.write_text(text.replace(declared, "", 1))
+    with pytest.raises(MappingError) as e:
+        verify.case_inputs(str(path), 0, _meta("whisper"))
+    line = path.read_text().splitlines().index(next(x for x in path.read_text().splitlines()
+                                                    if x.startswith("  - name: mha12"))) + 1
+    assert str(e.value).startswith(f"{path}:{line}:5: verify config 'mha12': "), str(e.value)
+    assert "main input is 'input_features'" in str(e.value) and "declare it in the verify config" in str(e.value)
+    assert e.value.rule == "missing-key"
+
+
+def test_verify_cli_runs_whisper_from_its_input_features():
+    """Whisper needs input_features; verify used to feed input_ids only and report a mapping failure."""
+    proc = _verify_cli("whisper", "-n", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WhisperForConditionalGeneration" in proc.stdout and "3 passed, 0 failed" in proc.stdout

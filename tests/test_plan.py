@@ -98,3 +98,69 @@ def test_default_configs_plan_at_declared_world_sizes(model_type):
         model = getattr(transformers, loaded.mapping.verify[0].models[0])(config)
     for ws in loaded.mapping.world_sizes:
         assert tpmap.plan(model, ws).tp_size == ws
+
+
+def test_lookup_bypass_reads_every_forward_above_nn_embedding():
+    """Which nn.Embedding subclasses can be vocab-split under their own forward: those whose forward
+    reaches nn.Embedding.forward through super(); the others are named (refused by the plan)."""
+    import functools
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tpmap.engine.layers import lookup_bypass, vocab_parallel_class
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    class ExplicitSuper(nn.Embedding):
+        def forward(self, ids):
+            return super(ExplicitSuper, self).forward(ids) + 1.0
+
+    def wrapped(f):
+        @functools.wraps(f)
+        def inner(*args, **kwargs):
+            return f(*args, **kwargs)
+        return inner
+
+    class Decorated(nn.Embedding):
+        @wrapped
+        def forward(self, ids):
+            return super().forward(ids)
+
+    class NoForward(Scaled):
+        pass
+
+    class Direct(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight) * 2.0
+
+    class Indexing(nn.Embedding):
+        def forward(self, ids):
+            return self.weight[ids]
+
+    class ByName(nn.Embedding):
+        def forward(self, ids):
+            return nn.Embedding.forward(self, ids)
+
+    class DirectOverScaled(Scaled):  # the subclass bypasses, although its base would not
+        def forward(self, ids):
+            return F.embedding(ids, self.weight)
+
+    for ok in (nn.Embedding, Scaled, ExplicitSuper, Decorated, NoForward):
+        assert lookup_bypass(ok) is None, ok
+    for bad in (Direct, Indexing, ByName, DirectOverScaled):
+        assert lookup_bypass(bad) == f"{bad.__module__}.{bad.__qualname__}.forward", bad
+    combined = vocab_parallel_class(Scaled)
+    assert vocab_parallel_class(Scaled) is combined and combined.__name__ == "VocabParallelScaled"
+    assert combined.__mro__[1] is Scaled and issubclass(combined, nn.Embedding)
+    assert lookup_bypass(combined) is None
+
+
+def test_shipped_scaled_word_embeddings_route_through_the_lookup():
+    from tpmap.engine.layers import lookup_bypass
+
+    for model_type in ("gemma2", "gemma3_text", "bart"):
+        emb = meta_model(model_type).get_input_embeddings()
+        assert type(emb).__name__.endswith("ScaledWordEmbedding") and lookup_bypass(type(emb)) is None

@@ -165,6 +165,14 @@ def test_ranks_with_different_inputs_raise_instead_of_hanging(ranks):
         assert r["error"] == "InputMismatchError" and "ranks [1]" in r["message"]
 
 
+def test_ranks_with_different_input_features_raise(ranks):
+    """The fingerprint covers the model's main input when it is not input_ids (Whisper's features)."""
+    for r in ranks(2).run(rank_cases.mismatched_main_input_case, "whisper", 0, "WhisperForConditionalGeneration",
+                          timeout=120):
+        assert r["error"] == "InputMismatchError" and "ranks [1]" in r["message"], r
+        assert "input_features" in r["message"], r
+
+
 def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
     """q/k/v share one input all-reduce in backward, and so do gate/up: 2 per layer, +1 for the LM head."""
     for r in ranks(2).run(rank_cases.backward_all_reduce_count, "llama", "LlamaForCausalLM"):

@@ -13,6 +13,7 @@ from .errors import (
     MappingError,
     MappingErrors,
     MetaDeviceError,
+    MissingInputError,
     ModuleKindError,
     PatternMatchError,
     ProcessGroupError,
@@ -25,5 +26,5 @@ __all__ = [
     "apply", "plan", "load_mapping", "full_state_dict", "vocab_parallel_cross_entropy", "InputMismatchError",
     "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
-    "AlreadyAppliedError", "MetaDeviceError",
+    "AlreadyAppliedError", "MetaDeviceError", "MissingInputError",
 ]

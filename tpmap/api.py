@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 
 import torch
@@ -83,8 +84,9 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       computes its loss otherwise raises instead of returning a wrong loss. ``outputs.logits`` are then
       this rank's shard. In eval mode (generate, evaluation) the logits are gathered as usual.
     * ``check_inputs``: every forward first compares a fingerprint of input_ids / decoder_input_ids /
-      attention_mask / labels across ranks (one tiny all-gather) and raises `InputMismatchError` if
-      they differ, instead of hanging or computing garbage.
+      attention_mask / labels (and the model's main input when it is another, e.g. input_features)
+      across ranks (one tiny all-gather) and raises `InputMismatchError` if they differ, instead of
+      hanging or computing garbage.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -118,17 +120,24 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     if loss_parallel:
         _use_loss_parallel(model, model.get_submodule(head.name))
     if check_inputs:
-        model.register_forward_pre_hook(_same_inputs_on_every_rank(group), with_kwargs=True)
+        model.register_forward_pre_hook(_same_inputs_on_every_rank(model, group), with_kwargs=True)
     return model
 
 
 _CHECKED_INPUTS = ("input_ids", "decoder_input_ids", "attention_mask", "labels")
 
 
-def _fingerprint(values: dict) -> torch.Tensor:
+def _checked_inputs(model: nn.Module) -> tuple[str, ...]:
+    """The inputs compared across ranks: token ids, masks, labels, and the model's main input when it is
+    another one (Whisper's input_features, pixel_values)."""
+    main = getattr(model, "main_input_name", "input_ids")
+    return _CHECKED_INPUTS + (() if main in _CHECKED_INPUTS else (main,))
+
+
+def _fingerprint(values: dict, names: tuple[str, ...] = _CHECKED_INPUTS) -> torch.Tensor:
     """Six numbers per checked input: present, numel, first three dims, a position-weighted sum."""
     row = []
-    for key in _CHECKED_INPUTS:
+    for key in names:
         t = values.get(key)
         if not isinstance(t, torch.Tensor):
             row += [0.0] * 6
@@ -137,21 +146,25 @@ def _fingerprint(values: dict) -> torch.Tensor:
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         dims = (list(t.shape[:3]) + [0, 0, 0])[:3]
         row += [1.0, float(t.numel()), *map(float, dims), float((flat * weights).sum())]
-    return torch.tensor(row, dtype=torch.float64)
+    return torch.nan_to_num(torch.tensor(row, dtype=torch.float64))  # a NaN input must not read as a mismatch
 
 
-def _same_inputs_on_every_rank(group):
+def _same_inputs_on_every_rank(model: nn.Module, group):
+    names = _checked_inputs(model)
+    parameters = inspect.signature(model.forward).parameters.values()
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
     def hook(module, args, kwargs):
-        values = dict(zip(("input_ids",), args)) | kwargs
+        values = dict(zip(positional, args)) | kwargs
         device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        mine = _fingerprint(values).to(device)
+        mine = _fingerprint(values, names).to(device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
         bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
         if bad:
             raise InputMismatchError(
                 f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
-                f"{' / '.join(_CHECKED_INPUTS)} (shape or values). Every rank must call the model with the same "
+                f"{' / '.join(names)} (shape or values). Every rank must call the model with the same "
                 "tensors: give all ranks the same batch (same data order and seed)."
             )
 

@@ -86,6 +86,11 @@ class MetaDeviceError(TpmapError):
     """`tpmap.apply` was given a model whose parameters are on the meta device (no values to slice)."""
 
 
+class MissingInputError(TpmapError):
+    """An example input for `tpmap verify` cannot be made: the model's main input is not declared in the
+    verify config's ``inputs``, or a declared shape names something the config does not have."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 

@@ -221,6 +221,8 @@ def _valid_keys(model_cls, data_loc: tuple, data: Any) -> list[str]:
     if parent == ():
         return list(schema.Mapping.model_fields)
     if parent[0] == "verify":
+        if len(parent) >= 4 and parent[2] == "inputs":  # verify.N.inputs.NAME holds an ExampleInput
+            return list(schema.ExampleInput.model_fields)
         return list(schema.Verify.model_fields)
     if parent[0] == "entries" and len(parent) >= 2:
         entry = data["entries"][parent[1]] if isinstance(data.get("entries"), list) else {}
@@ -243,7 +245,7 @@ def _pydantic_errors(err: pydantic.ValidationError, data: Any, src: SourceMap) -
         where = ".".join(str(p) for p in loc) or "(top level)"
         if kind == "extra_forbidden":
             key = loc[-1]
-            choices = [k for k in _valid_keys(Mapping, loc, data) if k != "kind"]
+            choices = [k for k in _valid_keys(Mapping, loc, data) if k != "kind" or loc[0] != "entries"]
             msg = f"unknown key {key!r}{did_you_mean(str(key), choices)}; valid keys here: {', '.join(choices)}"
             out.append(MappingError(msg, src.key(loc), "unknown-key"))
         elif kind == "missing":

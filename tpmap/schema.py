@@ -340,6 +340,19 @@ KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
                 for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
 
 
+class ExampleInput(_Strict):
+    """One example input of a verify config: a tensor of this shape, filled according to its kind."""
+
+    shape: list[CheckedExpr] = Field(
+        min_length=1, description="dimensions, integer expressions over config attributes and `batch` / `seq` "
+        "(the batch size and sequence length of the derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
+    )
+    kind: Literal["ids", "float", "mask"] = Field(
+        "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "
+        "with the last row's last 3 positions 0 (right padding)"
+    )
+
+
 class Verify(_Strict):
     """An embedded tiny configuration that `tpmap verify` and the tests build (no download)."""
 
@@ -350,6 +363,11 @@ class Verify(_Strict):
     )
     models: list[str] = Field(min_length=1, description="transformers class names to build, e.g. LlamaForCausalLM")
     world_sizes: list[WorldSize] = Field([1, 2, 4], description="world sizes `tpmap verify` runs")
+    inputs: dict[str, ExampleInput] = Field(
+        {}, description="example inputs by forward argument name, added to (or replacing) those derived from the "
+        "model class: input_ids + attention_mask when its main input is input_ids, decoder_input_ids for an "
+        "encoder-decoder. A main input other than input_ids must be declared (Whisper's input_features)"
+    )
 
 
 class VocabParallel(_Strict):

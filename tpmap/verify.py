@@ -60,18 +60,81 @@ def large_init_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> Non
         p.copy_(noise + base)
 
 
-def example_inputs(config, batch: int = 2, seq: int = 10, seed: int = 1, pad: int = 3) -> dict:
-    """Batch of `batch` sequences; the last one right-padded by `pad` tokens (attention_mask 0)."""
+def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int = 10, seed: int = 1,
+                   pad: int = 3) -> dict:
+    """Example inputs for `model`, following its class, plus the `declared` ones (a verify config's
+    ``inputs``: name -> `tpmap.schema.ExampleInput`), which add to or replace the derived ones by name.
+
+    Derived: when the main input (``model.main_input_name``) is ``input_ids``, `batch` sequences of
+    `seq` token ids in [3, vocab_size) and an ``attention_mask`` whose last row is right-padded by
+    `pad` tokens; an encoder-decoder also gets ``decoder_input_ids`` (batch x seq // 2 + 1). Any other
+    main input (Whisper's ``input_features``, ``pixel_values``) has a model-specific shape and must be
+    declared, or `MissingInputError` is raised. Declared shapes are expressions over config attributes
+    and ``batch`` / ``seq``; kinds: ``ids`` (token ids), ``float`` (standard normal), ``mask`` (ones,
+    last row right-padded by `pad`). Everything is drawn from one generator seeded with `seed`.
+    """
+    from . import expr
+    from .errors import ConfigAttributeError, MissingInputError
+
+    config = model.config
+    declared = declared or {}
     gen = torch.Generator().manual_seed(seed)
-    vocab = config.vocab_size
-    ids = torch.randint(3, vocab, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if batch > 1 and pad:
-        mask[-1, seq - pad:] = 0
-    inputs = {"input_ids": ids, "attention_mask": mask}
+    vocab = getattr(config, "vocab_size", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in declared and main != "input_ids":
+        raise MissingInputError(
+            f"{type(model).__name__}'s main input is {main!r}, whose shape tpmap cannot derive; declare it in the "
+            f"verify config, e.g. inputs: {{{main}: {{shape: [batch, ...], kind: float}}}}"
+        )
+    inputs = {}
+    if main == "input_ids":
+        inputs["input_ids"] = torch.randint(3, vocab, (batch, seq), generator=gen)
+        inputs["attention_mask"] = _mask((batch, seq), pad)
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = torch.randint(3, vocab, (batch, seq // 2 + 1), generator=gen)
+
+    def lookup(name: str) -> int:
+        sizes = {"batch": batch, "seq": seq}
+        if name in sizes:
+            return sizes[name]
+        if not hasattr(config, name):
+            raise ConfigAttributeError(f"an example input's shape names {name!r}, which the "
+                                       f"{type(config).__name__} does not have")
+        return getattr(config, name)
+
+    for name, spec in declared.items():
+        shape = tuple(expr.evaluate(dim, lookup) for dim in spec.shape)
+        if spec.kind == "ids":
+            inputs[name] = torch.randint(3, vocab, shape, generator=gen)
+        elif spec.kind == "float":
+            inputs[name] = torch.randn(shape, generator=gen)
+        else:
+            inputs[name] = _mask(shape, pad)
     return inputs
+
+
+def _mask(shape: tuple, pad: int) -> torch.Tensor:
+    """Ones; the last row's last `pad` positions 0 (right padding), when there is more than one row."""
+    mask = torch.ones(shape, dtype=torch.long)
+    if shape[0] > 1 and pad:
+        mask[-1, ..., shape[-1] - pad:] = 0
+    return mask
+
+
+def case_inputs(ref: str, verify_index: int, model) -> dict:
+    """The example inputs of verify config `verify_index` of a mapping for `model` (one of its classes).
+
+    A model whose inputs cannot be made raises a `MappingError` located at that verify config."""
+    from .errors import DivisibilityError, MappingError, MissingInputError, TpmapError
+
+    loaded = resolve(ref)
+    spec = loaded.mapping.verify[verify_index]
+    try:
+        return example_inputs(model, spec.inputs)
+    except TpmapError as e:  # an undeclared main input, a shape naming no config attribute or not dividing
+        rule = {MissingInputError: "missing-key", DivisibilityError: "divisibility"}.get(type(e), "config-attribute")
+        raise MappingError(f"verify config {spec.name!r}: {e}", loaded.source.value(("verify", verify_index)),
+                           rule) from None
 
 
 def main_output(out) -> torch.Tensor:
@@ -93,7 +156,7 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     ws = dist.get_world_size() if dist.is_initialized() else 1
     loaded = resolve(ref)
     full = build_model(ref, verify_index, class_name)
-    inputs = example_inputs(full.config)
+    inputs = case_inputs(ref, verify_index, full)
     with torch.no_grad():
         reference = main_output(full(**inputs))
     from tpmap.engine.collectives import counting_collectives

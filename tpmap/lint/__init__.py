@@ -26,7 +26,8 @@ RULES: dict[str, str] = {
     "duplicate-key": "no key appears twice in one mapping",
     "empty-file": "the file is not empty",
     "unknown-key": "every key is a field of its section (did-you-mean and the valid keys are listed)",
-    "missing-key": "required keys are present (model_type, entries, verify, module, ...)",
+    "missing-key": "required keys are present (model_type, entries, verify, module, ...; a main input other "
+                   "than input_ids among a verify config's inputs)",
     "unknown-kind": "every entry's kind is one of Column, Row, Update, Param, Reduce, Enter, Input, Norm",
     "wrong-type": "every value has the type its field needs",
     "invalid-expression": "size expressions use only integers, names, + - * //, parentheses and per_rank()",

@@ -177,9 +177,15 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
     such Columns: one of those must be a Row, the module that takes split input and all-reduces. So
     ``mlp.c_fc`` pairs with ``mlp.c_proj``; BERT's ``intermediate.dense`` pairs with the layer's
     ``output.dense``. Symmetrically, a Row's nearest other weights must include such a Column.
+    A Column with ``heads`` on an nn.Embedding outside the repeated blocks is a per-head table (MPNet's
+    ``encoder.relative_attention_bias``: a bias per head, added to every block's attention scores):
+    its split output is consumed inside the blocks, so it pairs with a Row inside the repeated blocks
+    of its nearest parent that holds any (the attention output of the heads it feeds).
     Limits: the rule sees the module tree, not the data flow: a split output that reaches the wrong
     Row of the same scope passes here and fails `tpmap verify`.
     """
+    from torch import nn
+
     mapping = loaded.mapping
     kinds = _covered_kinds()
     weights = [n for n, mod in modules.items() if n and isinstance(mod, kinds)]
@@ -194,6 +200,9 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
         for name in ns:
             block = block_of(name, blocks)
             parts = name.split(".")
+            # a per-head table outside the blocks feeds the blocks: look for its Row inside them
+            feeds_blocks = (block is None and isinstance(entry, Column) and entry.heads is not None
+                            and isinstance(modules[name], nn.Embedding))
             near: list[str] = []
             scope = ""
             for k in range(len(parts) - 1, -1, -1):
@@ -201,14 +210,18 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
                 if block is not None and len(scope) < len(block):
                     break  # the block itself was the last scope
                 inside = [w for w in weights if w not in same and (not scope or w.startswith(scope + "."))
-                          and (block is not None or block_of(w, blocks) is None)]
+                          and ((block_of(w, blocks) is not None) if feeds_blocks
+                               else (block is not None or block_of(w, blocks) is None))]
                 if inside:
                     near = inside
                     break
             if any(w in partner for w in near):
                 continue
             where = (f"{generic(scope)}" if scope else "the base model outside the repeated blocks")
-            shown = ", ".join(f"{generic(w)} ({_kind(modules[w])})" for w in near[:3]) + (", ..." if len(near) > 3 else "")
+            if feeds_blocks:
+                where = f"the repeated blocks{' of ' + generic(scope) if scope else ''}"
+            shown_near = list(dict.fromkeys(f"{generic(w)} ({_kind(modules[w])})" for w in near))  # one per block kind
+            shown = ", ".join(shown_near[:3]) + (", ..." if len(shown_near) > 3 else "")
             if isinstance(entry, Column):
                 msg = (f"Column {generic(name)} leaves its output split, but no Row entry takes it: "
                        + (f"the nearest other weights, in {where}, are {shown}, none a Row; make the one that "
@@ -293,6 +306,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
+        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config)):
+            report.add(d)
     report.add_errors(planning.check_expressions(default, loaded))
     configs = [("the default config", default)]  # every config lint checks, for `when`
 
@@ -394,6 +409,40 @@ def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
             out.append(Diagnostic.at(loaded.source.key(("entries", i, "when")), "when-never",
                                      f"entry {i} ({entry.kind} {entry.module!r}): no config lint checks matches "
                                      f"all of {entry.when}; add a verify config of that variant"))
+    return out
+
+
+def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str]) -> list[Diagnostic]:
+    """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
+    class's main input is input_ids (derived) or declared; declared names are arguments of every
+    class's forward; their shapes name config attributes (`known`: the config's keys) or `batch` / `seq`."""
+    from .. import expr
+
+    spec, src = loaded.mapping.verify[v], loaded.source
+    out = []
+    for cls in classes:
+        main = getattr(cls, "main_input_name", "input_ids")
+        if main != "input_ids" and main not in spec.inputs:
+            out.append(Diagnostic.at(src.value(("verify", v)), "missing-key",
+                                     f"missing input {main!r} in verify.{v}.inputs: {cls.__name__}'s main input is "
+                                     f"{main}, whose shape tpmap cannot derive; declare it, e.g. inputs: "
+                                     f"{{{main}: {{shape: [batch, ...], kind: float}}}}"))
+            break
+    for name, declared in spec.inputs.items():
+        for cls in classes:
+            arguments = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+            if name not in arguments:
+                out.append(Diagnostic.at(src.key(("verify", v, "inputs", name)), "unknown-key",
+                                         f"{cls.__name__}.forward has no argument {name!r}"
+                                         f"{did_you_mean(name, arguments)}; inputs are named by forward argument"))
+                break
+        for k, dim in enumerate(declared.shape):
+            for n in sorted(expr.names(dim) - {"batch", "seq"}):
+                if n not in known:
+                    out.append(Diagnostic.at(src.value(("verify", v, "inputs", name, "shape", k)), "config-attribute",
+                                             f"input {name!r}: the config has no attribute {n!r}"
+                                             f"{did_you_mean(n, known)}; shapes use config attributes, "
+                                             "batch and seq"))
     return out
 
 
