@@ -481,3 +481,27 @@ def meta_apply_error(ref: str, class_name: str) -> dict:
         return {"error": "MetaDeviceError", "message": str(e),
                 "untouched": classes == {n: type(m).__name__ for n, m in model.named_modules()}}
     return {"error": None}
+
+
+def out_of_step_case(kind: str) -> dict:
+    """Rank 1 does something different from rank 0; every rank must raise InputMismatchError at once."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    model = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws)
+    inputs = verify.case_inputs("llama", 0, model)
+    try:
+        if kind == "inputs_embeds":  # not a name the old check knew: any tensor argument counts now
+            embeds = model.get_input_embeddings()(inputs["input_ids"]).detach()
+            if rank == 1:
+                embeds = embeds + 1e-3
+            with torch.no_grad():
+                model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"])
+        elif kind == "seed":  # training with another seed on rank 1: dropout masks would differ silently
+            model.train()
+            torch.manual_seed(1000 + (rank == 1))
+            model(**inputs)
+        elif kind == "max_new_tokens":
+            model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], do_sample=False,
+                           max_new_tokens=3 if rank == 1 else 5, pad_token_id=0)
+    except tpmap.InputMismatchError as e:
+        return {"error": "InputMismatchError", "message": str(e)}
+    return {"error": None, "message": ""}

@@ -77,7 +77,9 @@ def test_a_rank_raising_mid_generate_ends_the_whole_job_and_names_the_rank():
     assert seconds < 600  # ended by torchrun, well before the process-group timeout
 
 
-def test_ranks_leaving_generate_out_of_step_end_at_the_explicit_process_group_timeout():
-    """Rank 0 stops early and waits in a barrier that rank 1 never joins: the explicit timeout ends the job."""
-    code, out, seconds = _torchrun_failing("generate.py", "--stop-early-on-rank", "0", "--timeout", "5")
-    assert code != 0 and ("Timed out" in out or "InputMismatchError" in out), out[-3000:]
+def test_ranks_calling_generate_out_of_step_fail_at_once_on_every_rank():
+    """Rank 0 asks for fewer tokens: before, it left early and rank 1 waited until the process-group
+    timeout; now both ranks raise before the first forward."""
+    code, out, seconds = _torchrun_failing("generate.py", "--stop-early-on-rank", "0", "--timeout", "600")
+    assert code != 0 and "called generate with other settings than rank 0: max_new_tokens" in out, out[-3000:]
+    assert seconds < 600  # not the process-group timeout

@@ -184,3 +184,12 @@ def test_training_configs_are_the_verified_ones():
     for ref, index, cls in LM_CLASSES + CORE:
         assert cls in verify.resolve(ref).mapping.verify[index].models
     assert set(CORE) <= set(LM_CLASSES)
+
+
+@pytest.mark.parametrize("kind,words", [("inputs_embeds", "differ from rank 0 in inputs_embeds"),
+                                        ("seed", "the RNG state (training mode)"),
+                                        ("max_new_tokens", "called generate with other settings than rank 0: "
+                                                           "max_new_tokens")])
+def test_ranks_out_of_step_raise_on_every_rank_instead_of_a_silent_wrong_result(ranks, kind, words):
+    for r in ranks(2).run(rank_cases.out_of_step_case, kind, timeout=120):
+        assert r["error"] == "InputMismatchError" and words in r["message"], r

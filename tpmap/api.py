@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import zlib
 from pathlib import Path
 
 import torch
@@ -83,10 +84,10 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       transformers causal-LM or masked-LM loss (``labels=...``) is computed that way; a model that
       computes its loss otherwise raises instead of returning a wrong loss. ``outputs.logits`` are then
       this rank's shard. In eval mode (generate, evaluation) the logits are gathered as usual.
-    * ``check_inputs``: every forward first compares a fingerprint of input_ids / decoder_input_ids /
-      attention_mask / labels (and the model's main input when it is another, e.g. input_features)
-      across ranks (one tiny all-gather) and raises `InputMismatchError` if they differ, instead of
-      hanging or computing garbage.
+    * ``check_inputs``: every forward first compares a fingerprint of every tensor argument (and, in
+      training mode, of the RNG state) across ranks -- one all-gather of 5 numbers -- and raises
+      `InputMismatchError` naming the arguments that differ, instead of hanging or computing garbage.
+      ``generate`` also compares its arguments (max_new_tokens, ...) once per call.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -121,54 +122,106 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
         _use_loss_parallel(model, model.get_submodule(head.name))
     if check_inputs:
         model.register_forward_pre_hook(_same_inputs_on_every_rank(model, group), with_kwargs=True)
+        if callable(getattr(model, "generate", None)):
+            _same_generate_arguments_on_every_rank(model, group)
     return model
 
 
-_CHECKED_INPUTS = ("input_ids", "decoder_input_ids", "attention_mask", "labels")
+def _tensors(args: tuple, kwargs: dict, positional: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor argument of a forward call, by name (positional ones by the signature), including
+    tensors inside a list or tuple argument; in a fixed order (by name) so ranks compare like with like."""
+    named = dict(zip(positional, args)) | kwargs
+    named |= {f"*args[{i}]": a for i, a in enumerate(args[len(positional):])}
+    out = []
+    for name, value in sorted(named.items()):
+        if isinstance(value, torch.Tensor):
+            out.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            out += [(f"{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return out
 
 
-def _checked_inputs(model: nn.Module) -> tuple[str, ...]:
-    """The inputs compared across ranks: token ids, masks, labels, and the model's main input when it is
-    another one (Whisper's input_features, pixel_values)."""
-    main = getattr(model, "main_input_name", "input_ids")
-    return _CHECKED_INPUTS + (() if main in _CHECKED_INPUTS else (main,))
+def _code(text: str) -> float:
+    """A deterministic number for a string (the same on every rank, unlike hash())."""
+    return float(zlib.crc32(text.encode()))
 
 
-def _fingerprint(values: dict, names: tuple[str, ...] = _CHECKED_INPUTS) -> torch.Tensor:
-    """Six numbers per checked input: present, numel, first three dims, a position-weighted sum."""
-    row = []
-    for key in names:
-        t = values.get(key)
-        if not isinstance(t, torch.Tensor):
-            row += [0.0] * 6
-            continue
-        flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        dims = (list(t.shape[:3]) + [0, 0, 0])[:3]
-        row += [1.0, float(t.numel()), *map(float, dims), float((flat * weights).sum())]
-    return torch.nan_to_num(torch.tensor(row, dtype=torch.float64))  # a NaN input must not read as a mismatch
+def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tensor | None) -> torch.Tensor:
+    """Five float64 numbers for all tensor arguments together (fixed size, so one all-gather serves any
+    call): how many; their names and shapes; a position- and name-weighted sum of their values; a
+    plain sum; and the default RNG state (training mode: ranks must draw the same dropout masks)."""
+    names = sum(_code(f"{n}:{tuple(t.shape)}:{t.dtype}") for n, t in tensors)
+    weighted = plain = 0.0
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.dtype != torch.float64:
+            flat = flat.to(torch.float64)
+        positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        weighted += float(flat @ positions) * (1.0 + _code(name) / 2**32)
+        plain += float(flat.sum())
+    rng = _code(rng_state.numpy().tobytes().hex()) if rng_state is not None else 0.0
+    row = torch.tensor([len(tensors), names, weighted, plain, rng], dtype=torch.float64)
+    return torch.nan_to_num(row)  # a NaN input must not read as a mismatch
 
 
 def _same_inputs_on_every_rank(model: nn.Module, group):
-    names = _checked_inputs(model)
+    """The input check: before every forward, one all-gather of a 5-number fingerprint of *every* tensor
+    argument (and, in training mode, of the RNG state); on a mismatch, every rank (they all see it) joins
+    one more gather to name the arguments that differ, and raises InputMismatchError."""
     parameters = inspect.signature(model.forward).parameters.values()
     positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     def hook(module, args, kwargs):
-        values = dict(zip(positional, args)) | kwargs
-        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        mine = _fingerprint(values, names).to(device)
+        tensors = _tensors(args, kwargs, positional)
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        rng_state = torch.get_rng_state() if module.training else None
+        mine = _fingerprint(tensors, rng_state).to(device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
         bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
         if bad:
-            raise InputMismatchError(
-                f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
-                f"{' / '.join(names)} (shape or values). Every rank must call the model with the same "
-                "tensors: give all ranks the same batch (same data order and seed)."
-            )
+            raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
 
     return hook
+
+
+def _same_generate_arguments_on_every_rank(model: nn.Module, group) -> None:
+    """Ranks calling generate with different settings (max_new_tokens, ...) would run different numbers
+    of forwards and leave the others blocked in a collective: compare them once per call, up front."""
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def checked_generate(*args, **kwargs):
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        settings = {k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))}
+        settings["generation_config"] = config.to_json_string(use_diff=False) if config is not None else ""
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, settings, group=group)
+        differ = sorted(k for k in set().union(*gathered) if any(g.get(k) != gathered[0].get(k) for g in gathered))
+        if differ:
+            bad = [r for r, g in enumerate(gathered) if any(g.get(k) != gathered[0].get(k) for k in differ)]
+            raise InputMismatchError(
+                f"ranks {bad} called generate with other settings than rank 0: {', '.join(differ)} "
+                f"({differ[0]} = {[g.get(differ[0]) for g in gathered]} per rank). Every rank must generate "
+                "the same way, or the ranks run different numbers of forwards and block each other.")
+        return generate(*args, **kwargs)
+
+    model.generate = checked_generate
+
+
+def _mismatch_message(tensors, everyone: list[torch.Tensor], bad: list[int], group) -> str:
+    """Which arguments differ (a second, rare gather of per-argument summaries), and what to do."""
+    summary = {n: (tuple(t.shape), float(t.detach().to(torch.float64).sum())) for n, t in tensors}
+    gathered: list = [None] * len(everyone)
+    dist.all_gather_object(gathered, summary, group=group)
+    names = sorted(set().union(*gathered))
+    differ = [n for n in names if any(g.get(n) != gathered[0].get(n) for g in gathered)]
+    rng = any(e[4] != everyone[0][4] for e in everyone)
+    what = ", ".join(differ) if differ else ("the RNG state (training mode)" if rng else "tensor values")
+    advice = ("seed every rank with the same torch.manual_seed before training (dropout masks must match)"
+              if rng and not differ else "give all ranks the same batch (same data order and seed)")
+    return (f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
+            f"{what}. Every rank must call the model with the same tensors: {advice}.")
 
 
 def _use_loss_parallel(model: nn.Module, head) -> None:
