@@ -56,3 +56,15 @@ def test_check_expressions_covers_entries_that_match_nothing():
     line = text.splitlines().index("    heads: n_heads") + 1
     assert [(e.rule, e.position.line, e.position.col) for e in found] == [("config-attribute", line, 12)]
     assert "has no attribute 'n_heads' (did you mean n_head?)" in found[0].message
+
+
+def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
+    """Lint cuts the default config to 2 layers, but not below the first layer of each kind in
+    `layer_types`: Jamba's first attention layer is layer 4 (a 2-layer cut left its attention entries
+    matching nothing)."""
+    from tpmap.lint.rules import reduced_default_config
+
+    jamba = reduced_default_config("jamba")
+    assert set(jamba.layer_types) == {"linear_attention", "full_attention"}
+    assert jamba.num_hidden_layers == 5
+    assert reduced_default_config("llama").num_hidden_layers == 2  # one kind: still 2

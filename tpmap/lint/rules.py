@@ -31,15 +31,33 @@ _LAYER_KEY = re.compile(r"layers")
 # -- building models -------------------------------------------------------------------------------
 def reduced_default_config(model_type: str):
     """The default config of `model_type` with every layer count (`num_hidden_layers` through the
-    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2."""
+    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2.
+
+    Hybrid stacks keep enough layers to hold one of each kind in the config's ``layer_types`` (the
+    transformers convention for per-layer kinds): Jamba's first attention layer is layer 4, and with
+    2 layers the attention entries of its mapping would match nothing."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
     overrides = {k: 2 for k, v in config.to_dict().items()
                  if _LAYER_KEY.search(k) and type(v) is int and v > 2}
     if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
-        overrides["num_hidden_layers"] = 2
+        overrides["num_hidden_layers"] = max(2, _layers_for_every_kind(config))
     return AutoConfig.for_model(model_type, **overrides) if overrides else config
+
+
+def _layers_for_every_kind(config) -> int:
+    """How many leading layers include every kind listed in ``config.layer_types`` (0 without one)."""
+    try:
+        kinds = config.layer_types
+    except Exception:  # a property that cannot be computed for this config
+        return 0
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != config.num_hidden_layers:
+        return 0
+    first: dict = {}
+    for i, kind in enumerate(kinds):
+        first.setdefault(str(kind), i)
+    return max(first.values(), default=-1) + 1
 
 
 def config_keys(config) -> set[str]:

@@ -1,0 +1,117 @@
+"""The long-tail entries the SSM mappings (mamba, mamba2, jamba, falcon_mamba) rely on are needed:
+drop one from a copy of the shipped YAML and the comparison against the unsharded model fails, by a
+large difference or an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
+
+* Param on a depthwise nn.Conv1d (its weight [C, 1, K] split by channel) and its sections (Mamba-2's
+  conv over [x | B | C]);
+* Reduce on Jamba's experts block;
+* Enter on Mamba's x_proj / Jamba's dt/B/C norms: the forward is unchanged without it, but every rank
+  reads the whole [dt | B | C] with its own channels only, so the gradients of x_proj and below are
+  partial sums -- caught by the per-shard gradient comparison;
+* Mamba-2's `n_groups // tp_size`: with fewer groups than ranks the gated norm's per-group statistic
+  would span ranks; the shipped mapping refuses that world size, and a mapping that replicates the
+  groups instead is wrong.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpmap import loader, verify
+from tpmap.errors import DivisibilityError
+
+import rank_cases
+
+# name: (model type, text of the shipped YAML, replacement)
+FORWARD_WRONG = {
+    # the depthwise conv kept whole: its I filters meet the I/ws channels of this rank
+    "mamba-conv-not-split": ("mamba", "  - kind: Param\n    module: layers.*.mixer.conv1d\n"
+                             "    params: [weight, bias]          # weight [I, 1, K], bias [I]: one filter per channel\n"
+                             "    dim: 0\n", ""),
+    # Mamba-2's conv over [x | B | C] split as one block: channels of x paired with filters of B/C
+    "mamba2-conv-without-sections": ("mamba2", "    dim: 0\n    sections:\n"
+                                     "      - {size: num_heads * head_dim, heads: num_heads}   # x\n"
+                                     "      - {size: n_groups * state_size, heads: n_groups}   # B\n"
+                                     "      - {size: n_groups * state_size, heads: n_groups}   # C\n", "    dim: 0\n"),
+    # Jamba's experts without their Reduce: each rank's partial sum is taken for the whole
+    "jamba-experts-not-reduced": ("jamba", "  - kind: Reduce\n    module: layers.*.feed_forward.experts"
+                                  "  # each rank's output is a partial sum over its slice of I\n", ""),
+}
+
+GRAD_WRONG = {
+    "mamba-no-enter": ("mamba", "MambaForCausalLM",
+                       "  - kind: Enter\n    module: layers.*.mixer.x_proj   # [dt | B | C] is consumed per rank: "
+                       "sum its gradient (see above)\n"),
+    "jamba-no-enter": ("jamba", "JambaForCausalLM",
+                       "  - kind: Enter\n    module: layers.*.mamba.*_layernorm   # dt_, b_, c_layernorm: whole dt, "
+                       "B, C read by this rank's channels\n"),
+}
+
+
+def _copy(tmp_path, name: str, model_type: str, old: str, new: str) -> str:
+    text = loader.shipped_files()[model_type].read_text()
+    assert text.count(old) == 1, f"{name}: the shipped {model_type}.yaml changed; update this test"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+def _forward(ranks, path: str, ws: int = 2) -> verify.Result:
+    case = verify.cases([path], [ws])[0]
+    return verify.judge(case, ranks(ws).run(verify.forward_case, case.ref, case.verify_index, case.class_name))
+
+
+@pytest.mark.parametrize("name", FORWARD_WRONG)
+def test_a_wrong_ssm_mapping_is_caught(ranks, tmp_path, name):
+    path = _copy(tmp_path, name, *FORWARD_WRONG[name])
+    try:
+        result = _forward(ranks, path)
+    except Exception as e:  # a shape error inside the forward is also a catch
+        assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError)
+        return
+    assert not result.passed
+    assert result.rel_diff > 1e-3, f"wrong mapping {name} was off by only {result.rel_diff:.2g}"
+
+
+@pytest.mark.parametrize("name", GRAD_WRONG)
+def test_without_the_enter_the_x_proj_gradients_are_partial(ranks, tmp_path, name):
+    model_type, class_name, entry = GRAD_WRONG[name]
+    path = _copy(tmp_path, name, model_type, entry, "")
+    for r in ranks(2).run(rank_cases.grad_case, path, 0, class_name, False, torch.float64):
+        assert r["loss_diff"] <= 1e-9 * max(1.0, r["loss"]), r  # the forward is right without it...
+        assert r["worst_rel"] > 1e-2 and "x_proj" in r["worst_name"], r  # ...the gradients are not
+
+
+def test_mamba2_with_fewer_groups_than_ranks_is_refused_at_plan_time():
+    """n_groups: 1 (state-spaces/mamba2-*) at world size 2: the gated norm's group would be split."""
+    import transformers
+    from transformers import AutoConfig
+
+    from tpmap.engine import plan as planning
+
+    loaded = loader.for_model_type("mamba2")
+    config = AutoConfig.for_model("mamba2", **{**loaded.mapping.verify[0].config, "n_groups": 1})
+    with torch.device("meta"):
+        model = transformers.Mamba2ForCausalLM(config)
+    with pytest.raises(DivisibilityError, match="n_groups"):
+        planning.build(model, loaded, 2)
+    planning.build(model, loaded, 1)  # world size 1 is fine
+
+
+def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
+    """What the refusal prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
+    gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
+    text = loader.shipped_files()["mamba2"].read_text().replace("n_groups // tp_size", "per_rank(n_groups)")
+    out_proj = "  - kind: Row\n    module: layers.*.mixer.out_proj\n"
+    assert text.count(out_proj) == 1
+    text = text.replace(out_proj, "  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
+                                  "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n" + out_proj)
+    text = text[:text.index("verify:")] + (
+        "verify:\n  - name: h8-g1\n"
+        "    config: {hidden_size: 64, expand: 2, num_heads: 8, head_dim: 16, n_groups: 1, state_size: 8,\n"
+        "             chunk_size: 4, conv_kernel: 4, num_hidden_layers: 2, vocab_size: 256}\n"
+        "    models: [Mamba2ForCausalLM]\n    world_sizes: [2]\n")
+    path = tmp_path / "mamba2_replicated_groups.yaml"
+    path.write_text(text)
+    result = _forward(ranks, str(path))
+    assert not result.passed and result.rel_diff > 1e-3, result
