@@ -41,3 +41,43 @@ def test_expressions_read_attributes_of_a_sub_config():
     assert w1.full_shape == (18, 32)  # [E * I, H], E = 3 experts of I = 6
     assert w1.pieces == (((0, 3), (6, 3), (12, 3)), ((3, 3), (9, 3), (15, 3)))  # half of every expert
     assert [u.values for u in plan.updates] == [(3, 3)]
+
+
+LATE_MOE = """
+model_type: deepseek_v3
+entries:
+  - kind: Param
+    module: layers.*.mlp.experts
+    params: [gate_up_proj]
+    dim: 1
+    sections: 2
+  - kind: Param
+    module: layers.*.mlp.experts
+    params: [down_proj]
+    dim: 2
+  - kind: Reduce
+    module: layers.*.mlp.experts
+replicated: [layers.*.self_attn, layers.*.mlp]
+verify:
+  - config: {hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 4, q_lora_rank: 16, kv_lora_rank: 16,
+             qk_rope_head_dim: 4, qk_nope_head_dim: 8, v_head_dim: 8, intermediate_size: 64,
+             moe_intermediate_size: 32, n_routed_experts: 4, num_experts_per_tok: 2, n_group: 2, topk_group: 1,
+             first_k_dense_replace: 1, num_hidden_layers: 2, vocab_size: 256}
+    models: [DeepseekV3ForCausalLM]
+"""
+
+
+def test_lint_accepts_entries_for_blocks_past_the_cut_default_config(tmp_path):
+    """lint cuts the default config to 2 blocks, where DeepSeek-V3 (first_k_dense_replace = 3) has no MoE
+    layer yet: the experts entries match nothing there, but they match in the verify config's model,
+    so they are not an error. A pattern that matches nothing anywhere still is."""
+    from tpmap.lint import lint_file
+
+    path = tmp_path / "late_moe.yaml"
+    path.write_text(LATE_MOE)
+    assert lint_file(str(path)) == []
+    path.write_text(LATE_MOE.replace("    module: layers.*.mlp.experts\n    params: [down_proj]",
+                                     "    module: layers.*.mlp.expert\n    params: [down_proj]"))
+    found = lint_file(str(path))
+    assert [(d.rule, d.line) for d in found] == [("pattern-no-match", 10)], found
+    assert found[0].message.startswith("entry 1 (Param 'layers.*.mlp.expert'): pattern matches no module")
