@@ -54,12 +54,22 @@ class EntryContext:
         return self.loaded.source.value(("entries", self.index) + key)
 
     def lookup(self, name: str) -> int:
-        if not hasattr(self.config, name):
-            keys = set(self.config.to_dict()) | set(getattr(self.config, "attribute_map", {}))
-            raise ConfigAttributeError(
-                f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
-            )
-        return getattr(self.config, name)
+        if hasattr(self.config, name):
+            return getattr(self.config, name)
+        # else an attribute of exactly one sub-config (DBRX keeps moe_num_experts in ffn_config)
+        subs = {key: sub for key in getattr(self.config, "sub_configs", None) or {}
+                if isinstance(sub := getattr(self.config, key, None), PretrainedConfig)}
+        found = [key for key, sub in subs.items() if hasattr(sub, name)]
+        if len(found) > 1:
+            raise ConfigAttributeError(f"{name!r} is an attribute of several sub-configs of the "
+                                       f"{type(self.config).__name__} ({', '.join(found)}) and not of the config "
+                                       "itself; it is ambiguous")
+        if found:
+            return getattr(subs[found[0]], name)
+        keys = set(self.config.to_dict()) | set(getattr(self.config, "attribute_map", {}))
+        raise ConfigAttributeError(
+            f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
+        )
 
     def eval(self, text, *key, tp_rank: int = 0) -> int:
         try:

@@ -5,7 +5,8 @@ Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
     expr := INT | NAME | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr )
 
 * NAME is a config attribute (``num_key_value_heads``, ``n_embd``; aliases from the config's
-  ``attribute_map`` work) or one of the per-rank names ``tp_size`` and ``tp_rank``.
+  ``attribute_map`` work; a name the config lacks is read from the one sub-config that has it, e.g.
+  DBRX's ``ffn_config.moe_num_experts``) or one of the per-rank names ``tp_size`` and ``tp_rank``.
 * ``a // b`` must divide exactly; otherwise evaluation fails with a `DivisibilityError` that names
   both numbers. A silently floored head count is the classic wrong-output bug, so there is none.
 * ``per_rank(n)`` is how many of ``n`` heads one rank holds under tpmap's head rule: ``n // tp_size``

@@ -332,10 +332,24 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     replicated_hit: set[int] = set()
     models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
 
-    def check(model, tp_size: int, label: str = "", structure: bool = True) -> None:
+    # The default config is cut to 2 blocks, which may lack a kind of block that comes later (DeepSeek's
+    # MoE layers from first_k_dense_replace = 3 on): an entry matching nothing there is reported only if
+    # it matches nothing in the verify configs' models either (those run whole, as `tpmap verify` runs them).
+    unmatched_in_default: dict[tuple, TpmapError] = {}
+    unmatched_later: list[tuple[TpmapError, str]] = []  # the same entries unmatched in a verify config
+    entry_hit: set[int] = set()  # entries whose pattern matches a module of a verify config's model
+
+    def check(model, tp_size: int, label: str = "", structure: bool = True, default: bool = False) -> None:
         errors: list[TpmapError] = []
         planning.build(model, loaded, tp_size, errors)
-        report.add_errors(errors, label)
+        for e in errors:
+            key = (e.position.line, e.position.col) if e.rule == "pattern-no-match" else None
+            if default and key:
+                unmatched_in_default.setdefault(key, e)
+            elif key in unmatched_in_default:
+                unmatched_later.append((e, label))
+        report.add_errors((e for e in errors if e.rule != "pattern-no-match"
+                           or (e.position.line, e.position.col) not in unmatched_in_default), label)
         if not structure:
             return
         base, prefix = planning.base_prefix(model)
@@ -344,6 +358,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         blocks = block_prefixes(base)
         m = _Matches(loaded, names)
         replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
+        if not default:
+            entry_hit.update(i for i, ns in enumerate(m.entries) if ns)
         models.append((type(model).__name__, names, prefix))
         found = (replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m)
                  + pairing(loaded, modules, blocks, m))
@@ -366,12 +382,12 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         model = built(cls, default, None)
         if model is None:
             continue
-        check(model, 1)
+        check(model, 1, default=True)
         first = first or model
     if first is not None:
         for ws in mapping.world_sizes:
             if ws != 1:
-                check(first, ws, f"world size {ws}: ", structure=False)
+                check(first, ws, f"world size {ws}: ", structure=False, default=True)
 
     # the embedded tiny configs, as `tpmap verify` will run them
     for v, (spec, found) in enumerate(zip(mapping.verify, classes)):
@@ -394,6 +410,11 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
     for d in when_never(loaded, configs):
         report.add(d)
+    module_keys = {(src.value(("entries", i, "module")).line, src.value(("entries", i, "module")).col): i
+                   for i in range(len(mapping.entries))}
+    report.add_errors(e for key, e in unmatched_in_default.items() if module_keys.get(key) not in entry_hit)
+    for e, label in unmatched_later:  # only where the default config's error was dropped: a new place
+        report.add_errors([e], label)
     if models:
         for d in replicated_unmatched(loaded, replicated_hit, models[0][1],
                                       list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
