@@ -88,8 +88,7 @@ def test_lint_accepts_entries_for_blocks_past_the_cut_default_config(tmp_path):
 
 
 # -- a mapping without the feature it relies on is caught -------------------------------------------
-PENDING = Path(__file__).parent / "pending"
-DBRX = str(PENDING / "dbrx.yaml")
+DBRX = "dbrx"
 
 
 def _forward(ranks, ref: str, world_size: int, verify_index: int = 0) -> verify.Result:
@@ -166,22 +165,3 @@ def test_deepseek_mla_gradients_need_enter_copy_input_and_grad_allreduce(ranks, 
     path = _edited(tmp_path, "deepseek_v3", [(old, new)], f"deepseek_v3-{name}")
     for r in ranks(2).run(rank_cases.grad_case, path, 0, "DeepseekV3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and where in r["worst_name"], r
-
-
-# -- DBRX, not shipped (see tests/pending/dbrx.yaml): what test_forward and test_training would run ---
-@pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_dbrx_sharded_output_equals_unsharded(ranks, ws):
-    result = _forward(ranks, DBRX, ws, verify_index=0 if ws != 3 else 1)
-    assert result.passed, result.error
-    if ws > 1:
-        assert result.params_local < result.params_full
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("ws", [2, 4])
-def test_dbrx_gradients_and_generate(ranks, ws, dtype):
-    for r in ranks(ws).run(rank_cases.grad_case, DBRX, 0, "DbrxForCausalLM", False, dtype):
-        assert r["checked"] > 10 and r["worst_rel"] <= {torch.float32: 1e-4, torch.float64: 1e-6}[dtype], r
-    if dtype == torch.float32:
-        for r in ranks(ws).run(rank_cases.generate_case, DBRX, 0, "DbrxForCausalLM", None):
-            assert r["new_tokens"] >= 20 and r["ranks_agree"] and r["same_as_full"], r

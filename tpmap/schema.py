@@ -393,6 +393,11 @@ class Mapping(_Strict):
     world_sizes: list[WorldSize] = Field(
         [1, 2, 4, 8], description="world sizes the mapping supports on the default config of the model type"
     )
+    default_config: dict[str, Any] = Field(
+        {}, description="values that transformers' default config of this model type lacks to build at all "
+        "(a transformers bug, e.g. DBRX in 5.24 reads attn_config.rope_theta that its config does not define); "
+        "lint applies them to the default config it checks `world_sizes` on. Real checkpoints carry their own."
+    )
     replicated: list[Pattern] = Field(
         [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage)"
     )

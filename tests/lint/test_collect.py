@@ -68,3 +68,17 @@ def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
     assert set(jamba.layer_types) == {"linear_attention", "full_attention"}
     assert jamba.num_hidden_layers == 5
     assert reduced_default_config("llama").num_hidden_layers == 2  # one kind: still 2
+
+
+def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
+    """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
+    two missing values, without which lint can only report model-build (and checks no world size)."""
+    from tpmap import loader
+    from tpmap.lint import lint_file
+
+    text = loader.shipped_files()["dbrx"].read_text()
+    assert lint_file(str(loader.shipped_files()["dbrx"])) == []
+    line = next(x for x in text.splitlines() if x.startswith("default_config:"))
+    path = tmp_path / "dbrx.yaml"
+    path.write_text(text.replace(line + "\n", ""))
+    assert [d.rule for d in lint_file(str(path))] == ["model-build"]

@@ -29,21 +29,24 @@ _LAYER_KEY = re.compile(r"layers")
 
 
 # -- building models -------------------------------------------------------------------------------
-def reduced_default_config(model_type: str):
+def reduced_default_config(model_type: str, patch: dict | None = None):
     """The default config of `model_type` with every layer count (`num_hidden_layers` through the
     config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2.
 
     Hybrid stacks keep enough layers to hold one of each kind in the config's ``layer_types`` (the
     transformers convention for per-layer kinds): Jamba's first attention layer is layer 4, and with
-    2 layers the attention entries of its mapping would match nothing."""
+    2 layers the attention entries of its mapping would match nothing.
+
+    `patch`: the mapping's ``default_config`` (values transformers' own defaults lack to build at all)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
+    patch = dict(patch or {})
+    config = AutoConfig.for_model(model_type, **patch)
     overrides = {k: 2 for k, v in config.to_dict().items()
                  if _LAYER_KEY.search(k) and type(v) is int and v > 2}
     if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
         overrides["num_hidden_layers"] = max(2, _layers_for_every_kind(config))
-    return AutoConfig.for_model(model_type, **overrides) if overrides else config
+    return AutoConfig.for_model(model_type, **patch, **overrides) if overrides else config
 
 
 def _layers_for_every_kind(config) -> int:
@@ -292,7 +295,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                  f"{did_you_mean(mapping.model_type, transformers.CONFIG_MAPPING)}"))
         return report.items
     try:
-        default = reduced_default_config(mapping.model_type)
+        default = reduced_default_config(mapping.model_type, mapping.default_config)
     except Exception as e:  # a config class rejecting its own defaults with 2 layers: reported, not hidden
         report.add(Diagnostic.at(src.value(("model_type",)), "model-build",
                                  f"the default config of {mapping.model_type!r} with at most 2 layers is rejected: "
