@@ -232,8 +232,20 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[Tp
     next entry (one problem per entry, one per attribute of an Update), so `tpmap lint` reports them
     all; the returned plan then leaves the failed entries out.
     """
+    from tpmap.errors import UnsupportedConfigError
+    from tpmap.schema import config_matches
+
     from .planner import Planner
 
+    for k, variant in enumerate(loaded.mapping.unsupported):
+        if config_matches(variant.when, model.config):
+            e = _located(UnsupportedConfigError, loaded.source.value(("unsupported", k, "when")),
+                         f"this {type(model.config).__name__} is a variant the mapping does not support "
+                         f"({variant.when}): {variant.reason}", "unsupported")
+            if errors is None:
+                raise e
+            errors.append(e)
+            return Plan(loaded.mapping.model_type, tp_size, base_prefix(model)[1], (), (), loaded.source.path)
     p = Planner(model, loaded, tp_size, errors)
     p.plan_entries()
     sharded = {t for m in p.shards for t in (m.weight.name, m.bias and m.bias.name) if t}

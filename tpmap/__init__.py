@@ -19,6 +19,7 @@ from .errors import (
     ProcessGroupError,
     TpmapError,
     UnknownModelTypeError,
+    UnsupportedConfigError,
 )
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ __all__ = [
     "apply", "plan", "load_mapping", "full_state_dict", "vocab_parallel_cross_entropy", "InputMismatchError",
     "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
-    "AlreadyAppliedError", "MetaDeviceError", "MissingInputError",
+    "AlreadyAppliedError", "MetaDeviceError", "MissingInputError", "UnsupportedConfigError",
 ]

@@ -82,6 +82,10 @@ class LossParallelError(TpmapError):
     """loss_parallel was asked for where it cannot be computed correctly."""
 
 
+class UnsupportedConfigError(TpmapError):
+    """The model's config is a variant its mapping declares `unsupported`."""
+
+
 class MetaDeviceError(TpmapError):
     """`tpmap.apply` was given a model whose parameters are on the meta device (no values to slice)."""
 

@@ -78,15 +78,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_WHEN_OPS = {
+    "not": lambda have, v: have != v,
+    "gt": lambda have, v: _ordered(have, v) and have > v,
+    "ge": lambda have, v: _ordered(have, v) and have >= v,
+    "lt": lambda have, v: _ordered(have, v) and have < v,
+    "le": lambda have, v: _ordered(have, v) and have <= v,
+}
+
+
+def _ordered(have, want) -> bool:
+    return isinstance(have, (int, float)) and not isinstance(have, bool) and isinstance(want, (int, float))
+
+
+def _check_when(when: dict[str, Any]) -> dict[str, Any]:
+    for key, want in when.items():
+        if isinstance(want, dict) and (len(want) != 1 or next(iter(want)) not in _WHEN_OPS):
+            raise ValueError(f"when.{key}: a condition mapping has one operator key, one of "
+                             f"{', '.join(_WHEN_OPS)} (e.g. {{gt: 1}}, {{not: null}}); got {sorted(want)}")
+    return when
+
+
 When = Annotated[
     dict[str, Any],
-    Field(description="apply this entry only when every config attribute named here has the given value "
-                      "(a list: any of its values), e.g. when: {use_qk_norm: true}"),
+    AfterValidator(_check_when),
+    Field(description="apply only when every config attribute named here matches: a value (equal), a list "
+                      "(any of its values), or one operator {not: v}, {gt: v}, {ge: v}, {lt: v}, {le: v}; "
+                      "e.g. when: {use_qk_norm: true}, when: {q_lora_rank: {not: null}}"),
 ]
 
 
 def config_matches(when: dict[str, Any] | None, config) -> bool:
-    """True when `config` has every attribute of `when` at the required value (a list: any of them)."""
+    """True when `config` has every attribute of `when` at a required value (see `When`)."""
     if not when:
         return True
     missing = object()
@@ -94,7 +117,12 @@ def config_matches(when: dict[str, Any] | None, config) -> bool:
         have = getattr(config, key, missing)
         if have is missing:
             return False
-        if not (have in want if isinstance(want, list) else have == want):
+        if isinstance(want, dict):
+            (op, value), = want.items()
+            ok = _WHEN_OPS[op](have, value)
+        else:
+            ok = have in want if isinstance(want, list) else have == want
+        if not ok:
             return False
     return True
 
@@ -370,6 +398,15 @@ class Verify(_Strict):
     )
 
 
+class Unsupported(_Strict):
+    """A config variant the mapping cannot shard correctly: `tpmap.apply` and lint refuse it, saying why,
+    instead of returning wrong numbers (e.g. BLOOM's ``slow_but_exact`` path slices the Row weights
+    into direct F.linear calls that bypass the Row's all-reduce)."""
+
+    when: When
+    reason: str = Field(min_length=1, description="why, and what to set instead")
+
+
 class VocabParallel(_Strict):
     """Split the vocabulary of the input embedding and the LM head over the ranks (Megatron's
     VocabParallelEmbedding and parallel LM head). Both are found through transformers' own API
@@ -397,6 +434,9 @@ class Mapping(_Strict):
         {}, description="values that transformers' default config of this model type lacks to build at all "
         "(a transformers bug, e.g. DBRX in 5.24 reads attn_config.rope_theta that its config does not define); "
         "lint applies them to the default config it checks `world_sizes` on. Real checkpoints carry their own."
+    )
+    unsupported: list[Unsupported] = Field(
+        [], description="config variants refused by apply and lint, each with its reason"
     )
     replicated: list[Pattern] = Field(
         [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage)"

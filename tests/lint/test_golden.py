@@ -33,7 +33,7 @@ REQUIRED = {
     "param_unknown_tensor": "module-kind", "param_dim_out_of_range": "module-kind",
     "param_partial_with_dim": "wrong-type", "reduce_no_match": "pattern-no-match",
     "input_argument": "module-kind", "norm_module_kind": "module-kind", "when_never": "when-never",
-    "groups_divisibility": "divisibility",
+    "groups_divisibility": "divisibility", "unsupported_variant": "unsupported", "when_operator": "wrong-type",
 }
 
 

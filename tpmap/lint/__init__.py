@@ -46,6 +46,7 @@ RULES: dict[str, str] = {
     "coverage": "every nn.Linear, Conv1D and nn.Embedding in the repeated blocks is sharded or listed in replicated",
     "pairing": "a Column's output reaches a Row in the same block (or is gathered), and every Row input is split",
     "divisibility": "heads, features and Update expressions divide at every declared world size",
+    "unsupported": "no config lint checks (default or verify) is a variant the mapping declares unsupported",
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 
