@@ -146,6 +146,15 @@ def _code(text: str) -> float:
     return float(zlib.crc32(text.encode()))
 
 
+def _sums(t: torch.Tensor) -> tuple[float, float]:
+    """(position-weighted sum, plain sum) of a tensor's values in float64: a reordering changes the first."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype != torch.float64:
+        flat = flat.to(torch.float64)
+    positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    return float(flat @ positions), float(flat.sum())
+
+
 def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tensor | None) -> torch.Tensor:
     """Five float64 numbers for all tensor arguments together (fixed size, so one all-gather serves any
     call): how many; their names and shapes; a position- and name-weighted sum of their values; a
@@ -153,12 +162,9 @@ def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tenso
     names = sum(_code(f"{n}:{tuple(t.shape)}:{t.dtype}") for n, t in tensors)
     weighted = plain = 0.0
     for name, t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.dtype != torch.float64:
-            flat = flat.to(torch.float64)
-        positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        weighted += float(flat @ positions) * (1.0 + _code(name) / 2**32)
-        plain += float(flat.sum())
+        by_position, total = _sums(t)
+        weighted += by_position * (1.0 + _code(name) / 2**32)
+        plain += total
     rng = _code(rng_state.numpy().tobytes().hex()) if rng_state is not None else 0.0
     row = torch.tensor([len(tensors), names, weighted, plain, rng], dtype=torch.float64)
     return torch.nan_to_num(row)  # a NaN input must not read as a mismatch
@@ -211,7 +217,7 @@ def _same_generate_arguments_on_every_rank(model: nn.Module, group) -> None:
 
 def _mismatch_message(tensors, everyone: list[torch.Tensor], bad: list[int], group) -> str:
     """Which arguments differ (a second, rare gather of per-argument summaries), and what to do."""
-    summary = {n: (tuple(t.shape), float(t.detach().to(torch.float64).sum())) for n, t in tensors}
+    summary = {n: (tuple(t.shape), str(t.dtype), _sums(t)) for n, t in tensors}
     gathered: list = [None] * len(everyone)
     dist.all_gather_object(gathered, summary, group=group)
     names = sorted(set().union(*gathered))
