@@ -505,3 +505,16 @@ def out_of_step_case(kind: str) -> dict:
     except tpmap.InputMismatchError as e:
         return {"error": "InputMismatchError", "message": str(e)}
     return {"error": None, "message": ""}
+
+
+def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool) -> dict:
+    """Everything CI proves for one (mapping, verify config, class) at this world size, in one round trip
+    to the ranks: the forward against the unsharded model (always); per-shard gradients in fp32 and fp64
+    and greedy generate (dynamic cache) where asked."""
+    out = {"forward": verify.forward_case(ref, verify_index, class_name)}
+    if training:
+        out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32)
+        out["grad_fp64"] = grad_case(ref, verify_index, class_name, False, torch.float64)
+    if generate:
+        out["generate"] = generate_case(ref, verify_index, class_name, None)
+    return out

@@ -60,18 +60,6 @@ def ids(case):
     return f"{case[0]}-{case[2]}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("case,ws", SHIPPED, ids=lambda v: ids(v) if isinstance(v, tuple) else f"ws{v}")
-def test_gradients_equal_the_unsharded_slices(ranks, case, ws, dtype):
-    # T5's unscaled attention saturates its softmax at init std 0.2, which amplifies fp32 rounding:
-    # measured 1.1e-4, so its fp32 bound is 1e-3 (fp64 holds it to 1e-6 like every other model)
-    rtol = GRAD_RTOL[dtype] * (10 if dtype == torch.float32 and case[0] == "t5" else 1)
-    for r in ranks(ws).run(rank_cases.grad_case, *case, False, dtype):
-        assert r["checked"] > 10
-        assert r["worst_rel"] <= rtol, r
-        assert r["loss_diff"] <= 1e-5 * max(1.0, abs(r["loss"])), r
-
-
 @pytest.mark.parametrize("case", [c for c in LM_CLASSES if c[0] in ("llama", "t5", "gpt2")], ids=ids)
 def test_gradient_checkpointing_keeps_gradients_exact(ranks, case):
     for r in ranks(4).run(rank_cases.grad_case, *case, True, torch.float64):
@@ -110,14 +98,6 @@ def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp
 def test_sharded_region_rng_differs_per_rank_and_default_stream_stays_in_step(ranks):
     for r in ranks(4).run(rank_cases.rng_region_case):
         assert r == {"before": 1, "inside": 4, "after": 1}
-
-
-@pytest.mark.parametrize("case,ws", GENERATORS, ids=lambda v: ids(v) if isinstance(v, tuple) else f"ws{v}")
-def test_greedy_generate_gives_the_same_tokens(ranks, case, ws):
-    for r in ranks(ws).run(rank_cases.generate_case, *case, None):
-        assert r["new_tokens"] >= 20
-        assert r["ranks_agree"], r
-        assert r["same_as_full"], r
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
