@@ -4,6 +4,7 @@
     tpmap plan MODEL_TYPE|FILE.yaml -n N [--rank R] [--default-config]  print the plan as a table
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
     tpmap schema                                                 print the mapping JSON Schema
+    tpmap models [-o MODELS.md]                                  the table of shipped mappings and their proofs
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def _plan(args) -> int:
     which = "default" if args.default_config else f"embedded '{spec.name}'"
     print(f"# {model_type} ({cls.__name__}, {which} config), world size {args.n}, mapping {plan.source}")
     print(plan.table(args.rank))
+    return 0
+
+
+def _models(args) -> int:
+    from . import catalog
+
+    text = catalog.render(catalog.rows())
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -112,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text (default), json, or github (GitHub Actions ::error annotations)")
     p.add_argument("--rules", action="store_true", help="list the rule ids and exit")
     p.set_defaults(func=_lint)
+
+    p = sub.add_parser("models", help="the table of shipped mappings and what CI proves for each (MODELS.md)")
+    p.add_argument("-o", "--output", default=None, help="write it to this file instead of stdout")
+    p.set_defaults(func=_models)
 
     p = sub.add_parser("schema", help="print the JSON Schema of mapping files (for editors)")
     p.set_defaults(func=_schema)
