@@ -6,9 +6,11 @@
 from .api import apply, full_state_dict, load_mapping, plan, vocab_parallel_cross_entropy
 from .errors import (
     AlreadyAppliedError,
+    CheckpointError,
     ConfigAttributeError,
     DivisibilityError,
     InputMismatchError,
+    LoadError,
     LossParallelError,
     MappingError,
     MappingErrors,
@@ -19,10 +21,13 @@ from .errors import (
     UnknownModelTypeError,
 )
 
+from .loading import from_pretrained
+from .saving import save_pretrained
+
 __version__ = "0.1.0"
 __all__ = [
     "apply", "plan", "load_mapping", "full_state_dict", "vocab_parallel_cross_entropy", "InputMismatchError",
     "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
-    "AlreadyAppliedError",
+    "AlreadyAppliedError", "from_pretrained", "save_pretrained", "CheckpointError", "LoadError",
 ]
