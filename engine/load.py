@@ -9,12 +9,15 @@ A row-major tensor of shape ``(*outer, D, *inner)`` split along D stores the ran
 ``prod(outer)`` rows, each the concatenation of the pieces ``[s, s + n)`` of D, every piece a run of
 ``n * prod(inner)`` contiguous elements. A split along dim 0 is a single run per piece; a split along
 the last dim of a matrix (a Row weight) is one run per matrix row. Runs are read straight into the
-destination tensor; when runs are tiny (below `SMALL_RUN_BYTES`, where a system call per run costs
-more than reading the whole rows), whole rows are read in bounded blocks of `BLOCK_BYTES` and the
-pieces copied out, so memory stays bounded either way (never the whole tensor at once unless it is
-the rank's own). Reading through a memory map instead would fault in every page a strided run
-touches: for a Row weight, the whole tensor (measured: a 128 MiB bf16 matrix, a quarter of its columns
-taken through safetensors' mmap `get_slice`, grew the file-backed RSS by 128 MiB).
+destination tensor, one system call each, when they lie far apart; when the gaps between them are
+small (below `GAP_BYTES`, as for a Row weight, whose runs are parts of each matrix row), whole rows are
+read in blocks of at most `BLOCK_BYTES` and the pieces copied out: one call and one copy per block
+instead of a call per row, gaps read too (the disk reads them anyway: they share pages and readahead
+windows with the runs). Memory stays bounded either way: the rank's tensor plus one block. Reading
+through a memory map instead would fault in every page a strided run touches: for a Row weight, the
+whole tensor, kept as file-backed RSS (measured: a quarter of the columns of a 128 MiB bf16 matrix
+through safetensors' mmap `get_slice` grew the file-backed RSS by 128 MiB; its pread backend read all
+128 MiB).
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from .plan import ParamShard
 # starting `byte_offset` bytes after the start of its data.
 ReadInto = Callable[[memoryview, int], None]
 
-SMALL_RUN_BYTES = 512
-BLOCK_BYTES = 16 << 20
+GAP_BYTES = 64 << 10  # runs closer together than this are read as whole rows, gaps included
+BLOCK_BYTES = 16 << 20  # at most this much of a tensor's rows at a time
 
 
 def runs(full_shape: tuple[int, ...], dim: int, pieces, local_dim: int | None = None) -> list[tuple[int, int, int]]:
@@ -88,13 +91,13 @@ def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.d
         return out
     item = out.element_size()
     todo = runs(shard.full_shape, dim, pieces, local_dim)
-    average = sum(n for _, _, n in todo) * item / len(todo)
-    if average >= SMALL_RUN_BYTES or len(todo) <= 16:
+    gap = max((b[0] - a[0] - a[2] for a, b in zip(todo, todo[1:])), default=0) * item
+    if len(todo) > 1 and gap < GAP_BYTES:
+        _read_in_blocks(read_into, shard.full_shape, dim, pieces, out)
+    else:
         dst = _bytes(out)
         for src, at, n in todo:
             read_into(dst[at * item:(at + n) * item], src * item)
-    else:
-        _read_in_blocks(read_into, shard.full_shape, dim, pieces, out)
     return out
 
 

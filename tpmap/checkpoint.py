@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,7 +55,6 @@ class SafetensorsFile:
     tensors: dict[str, "StoredTensor"]
     bytes_read: int = 0
     _fd: int | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def parse(cls, path: Path) -> "SafetensorsFile":
@@ -111,16 +109,14 @@ class SafetensorsFile:
         self.bytes_read += len(buffer)
 
     def _open(self) -> int:
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            return self._fd
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass(frozen=True, eq=False)

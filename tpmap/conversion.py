@@ -11,8 +11,8 @@ A converted tensor is still read lazily when the converter only moves elements a
 chunks, transposes): `_plan_lazy` runs the converter on small *probe* tensors whose values name their
 origin (which stored tensor, which index along one of its dims) and learns, for every index of the
 target's split dim, which rows of which stored tensors it is made of. The rank then reads only those
-rows, runs the converter on them, and checks (on the probes, the same way) that the result is its
-slice in its order, reordering along the split dim if needed. Probes are run twice with shifted values:
+rows and runs the converter on them; the probes, run the same way on just those rows, must come out
+as exactly the rank's slice in its order, or the conversion is not read lazily. Probes run twice with shifted values:
 an op that computes with values (a dequantization, a scale) is refused, not guessed. A conversion that
 cannot be sliced so -- e.g. one chunked into several differently split targets (q|k|v) -- falls back
 to `Reader` converting the whole tensor and slicing it (`engine.shard.take`): one full converted tensor
@@ -123,12 +123,11 @@ def _convert(source: Source, tensors: list[torch.Tensor], model) -> dict[str, to
 
 @dataclass(frozen=True)
 class _Lazy:
-    """How to read one rank's slice of a converted tensor: per stored tensor, None (skip), "all", or
-    ranges along `dim` of it; then the order of the converted result along the split dim."""
+    """How to read one rank's slice of a converted tensor: per stored tensor, None (skip it), "all", or
+    ranges along `dim` of it; the converter run on those gives exactly the rank's slice, in order."""
 
     dim: int | None  # the stored tensors' dim that becomes the target's split dim (None: whole tensors)
     reads: tuple  # per stored tensor
-    order: tuple[int, ...] | None  # index_select along the split dim; None when already in order
 
 
 class Reader:
@@ -167,7 +166,9 @@ class Reader:
         lazy = self._plan_for(name, source, shard, rank) if LAZY_CONVERSIONS else None
         if lazy is None:
             self._warn_whole(name, source)
-            return self._done(take(self._converted(name), shard, rank))
+            out = take(self._converted(name), shard, rank)
+            release_freed_memory()
+            return self._done(out)
         parts = []
         for (_, stored), how in zip(source.stored, lazy.reads):
             if how is None:
@@ -180,8 +181,8 @@ class Reader:
             parts.append(part.to(dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
         out = _convert(Source(source.target, kept, source.converter), parts, self.model)[name]
-        if lazy.order is not None:
-            out = out.index_select(shard.dim, torch.tensor(lazy.order))
+        del parts
+        release_freed_memory()
         pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
         if pad:
             shape = list(out.shape)
@@ -223,6 +224,31 @@ class Reader:
         if key not in self._lazy:
             self._lazy[key] = _plan_lazy(source, name, shard, rank, self.model)
         return self._lazy[key]
+
+
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    A conversion's transient tensors (the stored slices, then what stacking and concatenating make of
+    them) are a few MiB each; once glibc has raised its mmap threshold past their size they come from
+    the heap and, freed, stay resident: measured +25% peak RSS on the Mixtral-shaped benchmark at world
+    size 2 without this call, +2% with it."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
 
 
 def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model) -> torch.Tensor | None:
@@ -284,15 +310,8 @@ def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -
         if all(r is None for r in reads):
             continue
         sliced = _probe(source, name, dim, rows, 0.0, model)
-        if sliced is None or sliced.shape != chosen.shape:
-            continue
-        if torch.equal(sliced, chosen):
-            return _Lazy(dim, tuple(reads), None)
-        position = {tuple(sliced.select(d, p).reshape(-1).tolist()): p for p in range(sliced.shape[d])}
-        order = [position.get(tuple(chosen.select(d, q).reshape(-1).tolist())) for q in range(len(want))]
-        if None in order or len(set(order)) != len(order):
-            continue
-        return _Lazy(dim, tuple(reads), tuple(order))
+        if sliced is not None and sliced.shape == chosen.shape and torch.equal(sliced, chosen):
+            return _Lazy(dim, tuple(reads))
     return None
 
 
