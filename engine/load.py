@@ -66,25 +66,50 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def read_whole(read_into: ReadInto, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
+class Scratch:
+    """Buffers reused from one read to the next (for the blocks of rows, and for a tensor that is cast or
+    moved to another device after reading). One allocation for a whole load instead of one per tensor:
+    glibc keeps blocks that were allocated and freed per tensor resident on its heap (measured: +50% peak
+    RSS loading the 1.1B Llama at world size 4)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def tensor(self, role: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(role, None)
+            buffer = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+
+def read_whole(read_into: ReadInto, shape: tuple[int, ...], dtype: torch.dtype,
+               scratch: Scratch | None = None) -> torch.Tensor:
+    """The stored tensor, in its dtype; in `scratch` (valid until its next use) when one is given."""
+    out = scratch.tensor("result", shape, dtype) if scratch is not None else torch.empty(shape, dtype=dtype)
     if out.numel():
         read_into(_bytes(out), 0)
     return out
 
 
-def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.dtype) -> torch.Tensor:
+def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.dtype,
+               scratch: Scratch | None = None, in_scratch: bool = False) -> torch.Tensor:
     """This rank's local tensor (as `take` would cut it from the full one) from the stored full tensor's
-    bytes, in the stored `dtype`, on the CPU."""
+    bytes, in the stored `dtype`, on the CPU. `scratch` provides the blocks of rows; with `in_scratch`
+    the result lives there too (valid until the scratch's next use: for a caller that copies it out)."""
     if shard.partial:
-        return read_whole(read_into, shard.full_shape, dtype) if rank == 0 else torch.zeros(shard.full_shape, dtype=dtype)
+        if rank == 0:
+            return read_whole(read_into, shard.full_shape, dtype, scratch if in_scratch else None)
+        return torch.zeros(shard.full_shape, dtype=dtype)
     if shard.dim is None:
-        return read_whole(read_into, shard.full_shape, dtype)
+        return read_whole(read_into, shard.full_shape, dtype, scratch if in_scratch else None)
+    scratch = scratch if scratch is not None else Scratch()
     local_shape = shard.local_shape(rank)
     dim, pieces = shard.dim, shard.pieces[rank]
     local_dim = local_shape[dim]
     held = sum(n for _, n in pieces)
-    out = torch.empty(local_shape, dtype=dtype)
+    out = scratch.tensor("result", local_shape, dtype) if in_scratch else torch.empty(local_shape, dtype=dtype)
     if held < local_dim:  # padded (uneven vocabulary): zeros after the held rows
         out.narrow(dim, held, local_dim - held).zero_()
     if out.numel() == 0 or held == 0:
@@ -92,8 +117,9 @@ def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.d
     item = out.element_size()
     todo = runs(shard.full_shape, dim, pieces, local_dim)
     gap = max((b[0] - a[0] - a[2] for a, b in zip(todo, todo[1:])), default=0) * item
-    if len(todo) > 1 and gap < GAP_BYTES:
-        _read_in_blocks(read_into, shard.full_shape, dim, pieces, out)
+    row_bytes = math.prod(shard.full_shape[dim:]) * item
+    if len(todo) > 1 and gap < GAP_BYTES and row_bytes <= BLOCK_BYTES:
+        _read_in_blocks(read_into, shard.full_shape, dim, pieces, out, scratch)
     else:
         dst = _bytes(out)
         for src, at, n in todo:
@@ -101,17 +127,18 @@ def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.d
     return out
 
 
-def _read_in_blocks(read_into: ReadInto, full_shape, dim: int, pieces, out: torch.Tensor) -> None:
+def _read_in_blocks(read_into: ReadInto, full_shape, dim: int, pieces, out: torch.Tensor, scratch: Scratch) -> None:
     """Read whole rows of the outer dims, a bounded block at a time, and copy the rank's pieces out."""
     outer = math.prod(full_shape[:dim])
     size, inner = full_shape[dim], math.prod(full_shape[dim + 1:])
     row_bytes = size * inner * out.element_size()
     rows_per_block = max(1, BLOCK_BYTES // row_bytes)
     local = out.view(outer, out.shape[dim], inner)
-    held = sum(n for _, n in pieces)
-    block = torch.empty(min(rows_per_block, outer), size, inner, dtype=out.dtype)
+    block = scratch.tensor("block", (min(rows_per_block, outer), size, inner), out.dtype)
     for first in range(0, outer, rows_per_block):
         count = min(rows_per_block, outer - first)
         read_into(_bytes(block)[:count * row_bytes], first * row_bytes)
-        rows = block[:count]
-        local[first:first + count, :held] = torch.cat([rows[:, s:s + n] for s, n in pieces], dim=1)
+        offset = 0
+        for start, n in pieces:
+            local[first:first + count, offset:offset + n] = block[:count, start:start + n]
+            offset += n

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpmap.engine.load import read_local, read_whole
+from tpmap.engine.load import Scratch, read_local, read_whole
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import take
 
@@ -137,6 +137,7 @@ class Reader:
         self.model, self.sources, self.dtype_of, self.device = model, sources, dtype_of, device
         self.progress = progress
         self.expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # full shapes, before sharding
+        self.scratch = Scratch()  # blocks of rows; a tensor on its way to another dtype or device
         self._lazy: dict[tuple, _Lazy | None] = {}
         self._outputs: dict[str, torch.Tensor] = {}  # a one-to-many conversion's other outputs, until asked for
         self._warned: set[str] = set()
@@ -146,23 +147,39 @@ class Reader:
             self.progress.update(1)
         return tensor.to(self.device)
 
+    def _final(self, tensor: torch.Tensor, dtype: torch.dtype, in_scratch: bool) -> torch.Tensor:
+        """A tensor read in the stored dtype on the CPU, as the model keeps it (`dtype`, `device`)."""
+        if not in_scratch:
+            return tensor
+        out = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+        out.copy_(tensor)
+        return out
+
     def whole(self, name: str) -> torch.Tensor:
         source, dtype = self.sources[name], self.dtype_of(name)
         if source.converter is None:
             stored = source.stored[0][1]
-            return self._done(read_whole(stored.read_into, stored.shape, stored.dtype).to(dtype))
-        return self._done(self._converted(name))
+            copy_out = stored.dtype != dtype or self.device.type != "cpu"
+            tensor = read_whole(stored.read_into, stored.shape, stored.dtype, self.scratch if copy_out else None)
+            return self._done(self._final(tensor, dtype, copy_out))
+        out = self._converted(name)
+        release_freed_memory()
+        return self._done(out)
 
     def local(self, name: str, shard: ParamShard, rank: int) -> torch.Tensor:
         """This rank's tensor, as `take(whole(name), shard, rank)` would give it, reading only its slice."""
         source, dtype = self.sources[name], self.dtype_of(name)
         if source.converter is None:
             stored = source.stored[0][1]
-            return self._done(read_local(stored.read_into, shard, rank, stored.dtype).to(dtype))
+            copy_out = stored.dtype != dtype or self.device.type != "cpu"
+            tensor = read_local(stored.read_into, shard, rank, stored.dtype, self.scratch, in_scratch=copy_out)
+            return self._done(self._final(tensor, dtype, copy_out))
         if shard.partial and rank != 0:
             return self._done(torch.zeros(shard.full_shape, dtype=dtype))
         if shard.dim is None or shard.partial:
-            return self._done(self._converted(name))
+            out = self._converted(name)
+            release_freed_memory()
+            return self._done(out)
         lazy = self._plan_for(name, source, shard, rank) if LAZY_CONVERSIONS else None
         if lazy is None:
             self._warn_whole(name, source)
@@ -177,7 +194,7 @@ class Reader:
                 part = read_whole(stored.read_into, stored.shape, stored.dtype)
             else:
                 part = read_local(stored.read_into, ParamShard(stored.name, stored.shape, lazy.dim, (how,)), 0,
-                                  stored.dtype)
+                                  stored.dtype, self.scratch)
             parts.append(part.to(dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
         out = _convert(Source(source.target, kept, source.converter), parts, self.model)[name]

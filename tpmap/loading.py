@@ -20,7 +20,6 @@ The result equals ``tpmap.apply(AutoModel...from_pretrained(path), world_size)``
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ from torch import nn
 from . import api, conversion
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, LoadError
-
-logger = logging.getLogger(__name__)
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
