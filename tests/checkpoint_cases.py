@@ -201,3 +201,15 @@ def load_and_save(folder: str, out: str, class_name: str) -> dict:
     model = tpmap.from_pretrained(folder, model_class=class_name)
     tpmap.save_pretrained(model, out)
     return {}
+
+
+def loss_parallel_loss(folder: str) -> dict:
+    """from_pretrained(loss_parallel=True) against apply(loss_parallel=True) on transformers' load: the
+    same vocabulary-parallel loss, bit for bit, in training mode (logits kept split)."""
+    ws = dist.get_world_size()
+    want = tpmap.apply(transformers.LlamaForCausalLM.from_pretrained(folder), ws, loss_parallel=True).train()
+    got = tpmap.from_pretrained(folder, loss_parallel=True).train()
+    ids = torch.randint(3, want.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    out_want, out_got = want(input_ids=ids, labels=ids), got(input_ids=ids, labels=ids)
+    return {"same_loss": torch.equal(out_want.loss, out_got.loss), "local_vocab": out_got.logits.shape[-1],
+            "vocab": want.config.vocab_size}

@@ -106,6 +106,11 @@ def test_a_float32_checkpoint_loaded_in_bfloat16(ranks, checkpoint):
         assert r["differ"] == [], r["differ"][:5]
 
 
+def test_loss_parallel_from_a_checkpoint(ranks, checkpoint):
+    for r in ranks(2).run(cases.loss_parallel_loss, str(checkpoint("llama"))):
+        assert r["same_loss"] and r["local_vocab"] == -(-r["vocab"] // 2), r
+
+
 # -- saving ---------------------------------------------------------------------------------------------
 def _saves() -> list[tuple[str, int]]:
     out = []
