@@ -1,7 +1,10 @@
 """tpmap: tensor parallelism for Hugging Face transformers models from one YAML mapping per architecture.
 
     import tpmap
-    model = tpmap.apply(model, world_size)      # under torchrun, after init_process_group
+    model = tpmap.from_pretrained("path/to/model", device=...)   # each rank reads only its slices
+    model = tpmap.apply(model, world_size)      # or: shard a model already in memory
+    tpmap.save_pretrained(model, "out/")        # a standard checkpoint, written by rank 0
+(under torchrun, after init_process_group)
 """
 from .api import apply, full_state_dict, load_mapping, plan, vocab_parallel_cross_entropy
 from .errors import (

@@ -85,6 +85,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         raise TypeError("tpmap.from_pretrained does not take " + "; ".join(f"{k} ({_NOT_HERE[k]})" for k in refused))
     if "torch_dtype" in kwargs:  # transformers' older name
         dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+    for name in ("mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict"):
+        kwargs.pop(name, None)  # transformers ignores these too
     output_loading_info = kwargs.pop("output_loading_info", False)
     key_mapping = kwargs.pop("key_mapping", None)
     variant = kwargs.pop("variant", None)
@@ -118,7 +120,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
         if full.device.type != "meta":  # initialized here (missing from the checkpoint) or a computed buffer
             return take(full, shard, rank)
-        name = next(n for n in (shard.name, *shard.aliases) if n in sources)
+        name = next((n for n in (shard.name, *shard.aliases) if n in sources), None)
+        assert name is not None, f"{shard.name} is on meta but neither in the checkpoint nor initialized"
         return reader.local(name, shard, rank)
 
     failure = None
