@@ -99,6 +99,14 @@ class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 
 
+class CheckpointError(TpmapError):
+    """A checkpoint folder or file is missing, truncated, in an unsupported format, or disagrees with its config."""
+
+
+class LoadError(TpmapError):
+    """Loading failed on another rank (every rank raises, so none is left waiting in a collective)."""
+
+
 def did_you_mean(word: str, choices) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
