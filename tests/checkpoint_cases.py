@@ -118,7 +118,7 @@ def save_sharded(ref: str, verify_index: int, class_name: str, folder: str, **hf
 def logits_from_pretrained(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
     """tpmap.from_pretrained at this world size against the unsharded model the folder was saved from."""
     full = verify.build_model(ref, verify_index, class_name)
-    inputs = verify.example_inputs(full.config)
+    inputs = verify.case_inputs(ref, verify_index, full)
     model = tpmap.from_pretrained(folder, model_class=class_name, mapping=verify.resolve(ref))
     with torch.no_grad():
         want, got = verify.main_output(full(**inputs)), verify.main_output(model(**inputs))
