@@ -31,7 +31,8 @@ def model_types(path: Path) -> list[str]:
 
 
 def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) -> tuple[str, str]:
-    """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft'."""
+    """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft' (with the drafter's error,
+    also when it crashed rather than refused)."""
     from tpmap import draft, loader, verify
     from tpmap.errors import TpmapError
     from tpmap.launch import RankFailure
@@ -40,6 +41,8 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
         text = draft.draft(model_type)
     except TpmapError as e:
         return "no draft", str(e).splitlines()[0]
+    except Exception as e:  # the drafter itself failed (a transformers surprise or a tpmap bug): shown as such
+        return "no draft", f"drafter crashed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     path = folder / f"{model_type}.yaml"
     path.write_text(text, encoding="utf-8")
     try:

@@ -392,7 +392,7 @@ class Keys:
                                    for kind in ("heads", "kv_heads", "hidden", "head_dim")))
 
     def value(self, key: str | None) -> int | None:
-        return None if key is None else getattr(self.config, key, None)
+        return None if key is None else self.config.to_dict().get(key)
 
     def sizes(self, stream: int) -> tuple[int, int | None]:
         """(heads, head_dim); head_dim is stream / heads where the config does not state it."""
