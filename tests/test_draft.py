@@ -50,9 +50,10 @@ def test_a_plain_draft_verifies_unedited(ranks, drafts, model_type, world_size):
 
 
 @pytest.mark.parametrize("model_type", PLAIN)
-def test_a_plain_draft_passes_the_whole_lint_without_todos(drafts, model_type):
+def test_a_plain_draft_passes_the_whole_lint(drafts, model_type):
     assert lint_file(str(drafts[model_type])) == []
-    assert "TODO" not in drafts[model_type].read_text()
+    todos = [line for line in drafts[model_type].read_text().splitlines() if "TODO:" in line]
+    assert all("fused q/k/v" in line for line in todos), todos  # head-major query_key_value: flagged, right
 
 
 @pytest.mark.parametrize("model_type", list(loader.shipped_files()))

@@ -106,7 +106,7 @@ def _draft(args) -> int:
         return 0
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(text)
-    todos = sum("# TODO" in line for line in text.splitlines())
+    todos = text.count("TODO:")
     print(f"tpmap draft: wrote {args.output} ({todos} TODO{'s' if todos != 1 else ''}); next: "
           f"tpmap lint {args.output} && tpmap verify {args.output}", file=sys.stderr)
     return 0

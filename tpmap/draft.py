@@ -51,7 +51,7 @@ O_NAMES = {"o_proj", "out_proj", "o", "out_lin", "attn_out"}  # in an attention 
 ATTENTION_SCOPE = re.compile(r"att", re.IGNORECASE)  # attn, self_attn, attention, SelfAttention, ...
 
 TINY = {"hidden": 96, "heads": 12, "kv_heads": 4, "head_dim": 8, "intermediate": 192, "layers": 2,
-        "vocab": 256, "positions": 64, "experts": 4, "experts_per_token": 2}
+        "vocab": 256, "positions": 64, "experts": 4, "experts_per_token": 2, "expert_groups": 1}
 CONFIG_KEYS = {  # config keys by the size they hold (the whole key must match)
     "kv_heads": r"num_key_value_heads|num_kv_heads|n_kv_heads|num_kv|multi_query_group_num|\w*key_value_heads",
     "heads": r"n_head|n_heads|num_heads|\w*attention_heads",
@@ -63,10 +63,11 @@ CONFIG_KEYS = {  # config keys by the size they hold (the whole key must match)
     "vocab": r"vocab_size",
     "positions": r"max_position_embeddings|n_positions|n_ctx|max_seq_len|max_sequence_length|max_target_positions",
     "experts": r"num_experts|num_local_experts|n_routed_experts|moe_num_experts",
-    "experts_per_token": r"num_experts_per_tok|moe_top_k|num_selected_experts",
+    "experts_per_token": r"num_experts_per_tok|moe_top_k|moe_k|top_k|num_selected_experts",
+    "expert_groups": r"n_group|topk_group|num_expert_group",
     "rotary_dim": r"rotary_dim",
 }
-CAPPED = ("layers", "experts", "experts_per_token", "positions")  # lowered to TINY, never raised
+CAPPED = ("layers", "experts", "experts_per_token", "expert_groups", "positions")  # lowered to TINY, never raised
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # other ids: 3
 SIZE_ATTRIBUTE = re.compile(r"head|embed|dim|size|width|hidden|group|inner|split|intermediate|ffn|channel")
 PER_HEAD_ATTRIBUTE = re.compile(r"(attention_)?head_(dim|size|width)|\w*(per_head|rot|rope)\w*|d_head|d_kv")
@@ -93,13 +94,19 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
     """Overrides for `AutoConfig.for_model` that make the default config tiny, keyed as the config spells
     them. Sizes are set by key name (unset ones too: a None vocabulary or head_dim); an int key equal to
     the default hidden size follows it; per-layer lists are cut to the layer count; special token ids
-    are moved into the tiny vocabulary."""
+    are moved into the tiny vocabulary. Nested configs (an encoder's, a text model's) are made tiny
+    the same way, as dicts of their own overrides."""
     values = default.to_dict()
     default_hidden = values.get(real_key(default, "hidden_size"))
     layers = values.get(real_key(default, "num_hidden_layers"))
+    heads = values.get(real_key(default, "num_attention_heads"))
     out: dict[str, Any] = {}
     for key, value in values.items():
         kind = size_kind(key)
+        sub = getattr(default, key, None) if isinstance(value, dict) else None
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config (encoder, text_config)
+            out[key] = tiny_overrides(sub, reduce_layers)
+            continue
         if key.endswith("_token_id") and value is not None:
             new = _token_id(key, value)
         elif isinstance(value, list) and reduce_layers and type(layers) is int and len(value) == layers > 2:
@@ -112,6 +119,8 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
             new = min(value, TINY[kind])
         elif kind == "rotary_dim":
             new = min(value, TINY["head_dim"])
+        elif kind == "head_dim" and type(value) is int and type(heads) is int and value * heads != default_hidden:
+            continue  # not hidden / heads (e.g. a rope part of a latent attention): kept as it is
         elif kind is not None:
             new = TINY[kind]
         elif value == default_hidden and value >= 32:
@@ -388,8 +397,12 @@ class Keys:
 
     @classmethod
     def of(cls, config, near: str) -> "Keys":
-        return cls(config, near, *(find_key(config, kind, TINY[kind], near)
-                                   for kind in ("heads", "kv_heads", "hidden", "head_dim")))
+        """Head counts and hidden size by their tiny values; head_dim by name (it keeps its default value
+        where that is not hidden / heads)."""
+        values = config.to_dict()
+        head_dim = next((k for k, v in values.items() if type(v) is int and size_kind(k) == "head_dim"), None)
+        return cls(config, near, *(find_key(config, kind, TINY[kind], near) for kind in ("heads", "kv_heads", "hidden")),
+                   find_key(config, "head_dim", values.get(head_dim), near))
 
     def value(self, key: str | None) -> int | None:
         return None if key is None else self.config.to_dict().get(key)
@@ -429,7 +442,8 @@ def group_entries(block: Block, group: Group, keys: Keys, head_dim: int | None) 
 def attention_column(c: Weight, row: Weight, keys: Keys, head_dim: int | None) -> tuple[dict, list[str]]:
     """heads / sections of a q, k, v or fused projection, from its width (the q width is the row's input)."""
     role, width, q = attention_role(c), c.fan_out, row.fan_in
-    kv = keys.value(keys.kv_heads)
+    kv, heads = keys.value(keys.kv_heads), keys.value(keys.heads)
+    head_dim = q // heads if heads and q % heads == 0 else head_dim  # the q width tells it best
     kv_width = kv * head_dim if kv and head_dim else None
     if not keys.heads:
         return {}, [f"TODO: no config key holds the head count; add heads: to split {c.leaf} on head boundaries"]
@@ -485,6 +499,22 @@ def analysis_entries(blocks: list[Block], stream: int, config, names: list[str]
         for entry in found:
             merge_entry(entries, entry)
     return collapse(list(entries.values()), names), groups
+
+
+def outside_head_embeddings(base, blocks: list[Block], config) -> list[Entry]:
+    """nn.Embeddings outside the blocks as wide as the head count (a position bias the encoder builds once
+    for every block): Columns by heads, so that each rank gets its heads' bias."""
+    from torch import nn
+
+    inside = tuple(b.name + "." for b in blocks)
+    keys = Keys.of(config, "")
+    out = []
+    for name, module in base.named_modules():
+        if (isinstance(module, nn.Embedding) and not (name + ".").startswith(inside) and keys.heads
+                and module.embedding_dim == keys.value(keys.heads) and module is not base.get_input_embeddings()):
+            out.append(Entry("Column", name, {"heads": keys.heads},
+                             [f"{name}: an nn.Embedding of one value per head (a position bias), split by heads"]))
+    return out
 
 
 def merge_entry(entries: dict[str, Entry], entry: Entry) -> None:
@@ -732,12 +762,19 @@ def vocab_parallel(model) -> tuple[dict[str, bool] | None, list[str]]:
     notes = []
     embedding = isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward
     if isinstance(emb, nn.Embedding) and not embedding:
-        notes.append(f"TODO: the input embedding is a {type(emb).__name__} with its own forward; vocab_parallel "
-                     "would replace that forward, so it stays whole")
+        notes.append(f"the input embedding is a {type(emb).__name__} with its own forward (a scaled lookup, say); "
+                     "vocab_parallel would replace that forward, so it stays whole")
     lm_head = (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
                and (not isinstance(emb, nn.Embedding) or head.weight.shape[0] == emb.weight.shape[0]))
     if lm_head and isinstance(emb, nn.Embedding) and head.weight is emb.weight and not embedding:
         lm_head = False  # tied to an embedding that stays whole
+    others = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not emb
+              and lm_head and m.weight is head.weight]
+    if others:  # a second input embedding (a decoder's) tied to the head: a vocab-parallel head would cut it
+        lm_head = False
+        notes.append(f"TODO: the LM head shares its weight with {', '.join(others)}, which is not the input "
+                     "embedding: vocab_parallel would split that weight under a plain nn.Embedding, so the head "
+                     "stays whole")
     return ({"embedding": embedding, "lm_head": lm_head} if embedding or lm_head else None), notes
 
 
@@ -831,7 +868,12 @@ class Draft:
                          "replicated_with_grad_allreduce")
         if self.vocab_parallel:
             lines.append(f"vocab_parallel: {scalar(self.vocab_parallel)}")
-        lines += ["verify:", "  - name: tiny", f"    config: {flow(self.config, 12)}",
+        if any(isinstance(v, dict) for v in self.config.values()):  # nested configs: one key a line
+            config = ["    config:"] + [f"      {k}: {flow(v, 8 + len(k)) if isinstance(v, dict) else scalar(v)}"
+                                         for k, v in self.config.items()]
+        else:
+            config = [f"    config: {flow(self.config, 12)}"]
+        lines += ["verify:", "  - name: tiny", *config,
                   f"    models: [{self.model_class}]", f"    world_sizes: {scalar(self.verify_world_sizes)}"]
         return "\n".join(lines) + "\n"
 
@@ -863,6 +905,7 @@ def draft(model_type: str) -> str:
     stream = getattr(config, "hidden_size", None) or TINY["hidden"]
     names = [n for n, _ in model.base_model.named_modules() if n]
     entries, groups = analysis_entries(blocks, stream, config, names)
+    entries += outside_head_embeddings(model.base_model, blocks, config)
     tp_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     grad_allreduce: list[str] = []
     if tp_plan:
