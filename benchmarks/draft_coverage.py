@@ -57,8 +57,21 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
         result = verify.judge(case, pool.run(verify.forward_case, case.ref, 0, case.class_name, timeout=timeout))
     except RankFailure as e:
         last = e.summary().splitlines()
-        return "fails verify", (last[1].strip() if len(last) > 1 else last[0])
+        return "fails verify", unsharded_problem(case) + (last[1].strip() if len(last) > 1 else last[0])
     return ("verified", f"rel {result.rel_diff:.1e}") if result.passed else ("fails verify", result.error)
+
+
+def unsharded_problem(case) -> str:
+    """'the unsharded tiny model fails too: ...; ' when the draft's verify config cannot even run the model
+    (a tiny-config problem, not a sharding one), else ''."""
+    from tpmap import verify
+
+    try:
+        model = verify.build_model(case.ref, 0, case.class_name)
+        model(**verify.example_inputs(model.config))
+    except Exception as e:  # what the model raises is the finding: reported
+        return f"the unsharded tiny model fails too ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+    return ""
 
 
 def main(argv=None) -> int:

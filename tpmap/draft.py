@@ -99,7 +99,6 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
     values = default.to_dict()
     default_hidden = values.get(real_key(default, "hidden_size"))
     layers = values.get(real_key(default, "num_hidden_layers"))
-    heads = values.get(real_key(default, "num_attention_heads"))
     out: dict[str, Any] = {}
     for key, value in values.items():
         kind = size_kind(key)
@@ -119,8 +118,6 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
             new = min(value, TINY[kind])
         elif kind == "rotary_dim":
             new = min(value, TINY["head_dim"])
-        elif kind == "head_dim" and type(value) is int and type(heads) is int and value * heads != default_hidden:
-            continue  # not hidden / heads (e.g. a rope part of a latent attention): kept as it is
         elif kind is not None:
             new = TINY[kind]
         elif value == default_hidden and value >= 32:
@@ -768,8 +765,9 @@ def vocab_parallel(model) -> tuple[dict[str, bool] | None, list[str]]:
                and (not isinstance(emb, nn.Embedding) or head.weight.shape[0] == emb.weight.shape[0]))
     if lm_head and isinstance(emb, nn.Embedding) and head.weight is emb.weight and not embedding:
         lm_head = False  # tied to an embedding that stays whole
-    others = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not emb
-              and lm_head and m.weight is head.weight]
+    shared = emb.weight if isinstance(emb, nn.Embedding) else None  # its sharers are split with it
+    others = [n for n, m in model.named_modules() if lm_head and isinstance(m, nn.Embedding)
+              and m.weight is head.weight and m.weight is not shared]
     if others:  # a second input embedding (a decoder's) tied to the head: a vocab-parallel head would cut it
         lm_head = False
         notes.append(f"TODO: the LM head shares its weight with {', '.join(others)}, which is not the input "
