@@ -104,7 +104,9 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
         kind = size_kind(key)
         sub = getattr(default, key, None) if isinstance(value, dict) else None
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config (encoder, text_config)
-            out[key] = tiny_overrides(sub, reduce_layers)
+            nested = tiny_overrides(sub, reduce_layers)
+            if nested:
+                out[key] = nested
             continue
         if key.endswith("_token_id") and value is not None:
             new = _token_id(key, value)
@@ -146,7 +148,10 @@ def tiny_config(model_type: str):
     if model_type not in transformers.CONFIG_MAPPING:
         raise DraftError(f"{model_type!r} is not a model_type of transformers {transformers.__version__}"
                          f"{did_you_mean(model_type, transformers.CONFIG_MAPPING)}")
-    default = AutoConfig.for_model(model_type)
+    try:
+        default = AutoConfig.for_model(model_type)
+    except Exception as e:  # a config class that needs arguments (a composite): reported
+        raise DraftError(f"the default config of {model_type!r} does not build: {type(e).__name__}: {e}") from e
     failures = []
     for reduce_layers in (True, False):
         overrides = tiny_overrides(default, reduce_layers)
@@ -755,8 +760,13 @@ def vocab_parallel(model) -> tuple[dict[str, bool] | None, list[str]]:
     vocab-parallel module would replace that forward."""
     from torch import nn
 
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     notes = []
+    try:
+        emb = model.get_input_embeddings()
+    except NotImplementedError as e:  # a model without one token embedding (a dual encoder, audio)
+        emb = None
+        notes.append(f"{type(model).__name__} has no input embedding to split along the vocabulary ({e})")
+    head = model.get_output_embeddings()
     embedding = isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward
     if isinstance(emb, nn.Embedding) and not embedding:
         notes.append(f"the input embedding is a {type(emb).__name__} with its own forward (a scaled lookup, say); "
@@ -814,6 +824,8 @@ def comment(notes: list[str], indent: str) -> list[str]:
 def flow(items: dict, indent: int) -> str:
     """A flow mapping wrapped at WIDTH, continuation lines under its first key."""
     parts = [f"{k}: {scalar(v)}" for k, v in items.items()]
+    if not parts:
+        return "{}"
     lines, line = [], "{"
     for k, part in enumerate(parts):
         part += "," if k < len(parts) - 1 else "}"
