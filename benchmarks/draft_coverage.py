@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         lines = [f"# tpmap draft coverage (transformers {transformers.__version__})", "",
                  f"`python benchmarks/draft_coverage.py --out {args.out}`: {summary}.", "",
                  "| model_type | result | detail |", "|---|---|---|"]
-        lines += [f"| `{m}` | {s} | {d.replace('|', '/')[:300]} |" for m, s, d, _ in rows]
+        lines += [f"| `{m}` | {s} | {d[:300].replace('|', chr(92) + '|')} |" for m, s, d, _ in rows]
         args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 
