@@ -68,7 +68,7 @@ def unsharded_problem(case) -> str:
 
     try:
         model = verify.build_model(case.ref, 0, case.class_name)
-        model(**verify.example_inputs(model.config))
+        model(**verify.case_inputs(case.ref, 0, model))
     except Exception as e:  # what the model raises is the finding: reported
         return f"the unsharded tiny model fails too ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
     return ""

@@ -12,10 +12,12 @@ from tpmap import draft, loader, verify
 from tpmap.errors import DraftError
 from tpmap.lint import lint_file
 
-# plain layouts (separate q/k/v or head-major, plain MLPs) without a shipped mapping: decoders with
-# and without a base_model_tp_plan, GQA and MHA, Conv1D-free encoders, parallel blocks, partial rotary
-PLAIN = ["mistral", "qwen2", "gemma", "olmo", "granite", "phi", "gptj", "opt", "xglm", "biogpt", "starcoder2",
-         "helium", "smollm3", "roberta", "electra", "stablelm", "gpt_neox_japanese", "persimmon"]
+# plain layouts (separate q/k/v or head-major, plain MLPs) without a shipped mapping: decoders (a
+# parallel attention + MLP block, head-major fused qkv), BERT-style encoders (nested attention scopes,
+# layer-shared weights), encoder-decoders with cross attention, a text tower
+PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta", "xlm-roberta", "camembert",
+         "electra", "megatron-bert", "distilbert", "albert", "roformer", "deberta-v2", "mbart", "m2m_100",
+         "clip_text_model"]
 
 
 @pytest.fixture(scope="module")

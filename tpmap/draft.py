@@ -90,12 +90,16 @@ def real_key(config, name: str) -> str:
     return getattr(config, "attribute_map", {}).get(name, name)
 
 
-def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
+WIDTH_KINDS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "rotary_dim")
+
+
+def tiny_overrides(default, reduce_layers: bool = True, widths: bool = True) -> dict[str, Any]:
     """Overrides for `AutoConfig.for_model` that make the default config tiny, keyed as the config spells
     them. Sizes are set by key name (unset ones too: a None vocabulary or head_dim); an int key equal to
     the default hidden size follows it; per-layer lists are cut to the layer count; special token ids
     are moved into the tiny vocabulary. Nested configs (an encoder's, a text model's) are made tiny
-    the same way, as dicts of their own overrides."""
+    the same way, as dicts of their own overrides. `widths=False` leaves widths and head counts as they
+    are (for configs whose sizes are tied in ways the tiny values break)."""
     values = default.to_dict()
     default_hidden = values.get(real_key(default, "hidden_size"))
     layers = values.get(real_key(default, "num_hidden_layers"))
@@ -104,7 +108,7 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
         kind = size_kind(key)
         sub = getattr(default, key, None) if isinstance(value, dict) else None
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config (encoder, text_config)
-            nested = tiny_overrides(sub, reduce_layers)
+            nested = tiny_overrides(sub, reduce_layers, widths)
             if nested:
                 out[key] = nested
             continue
@@ -114,12 +118,14 @@ def tiny_overrides(default, reduce_layers: bool = True) -> dict[str, Any]:
             new = value[:TINY["layers"]]
         elif type(value) is not int and not (value is None and kind in TINY and kind not in CAPPED):
             continue
-        elif kind == "layers" and not reduce_layers:
+        elif (kind == "layers" and not reduce_layers) or (not widths and (kind in WIDTH_KINDS or kind is None)):
             continue
         elif kind in CAPPED:
             new = min(value, TINY[kind])
         elif kind == "rotary_dim":
             new = min(value, TINY["head_dim"])
+        elif kind == "hidden" and type(default_hidden) is int and value != default_hidden:
+            new = value * TINY["hidden"] // default_hidden  # another width under a hidden-like name: scaled
         elif kind is not None:
             new = TINY[kind]
         elif value == default_hidden and value >= 32:
@@ -137,9 +143,18 @@ def _token_id(key: str, value):
     return value if value < TINY["vocab"] else SPECIAL_TOKENS.get(key, 3)
 
 
-def tiny_config(model_type: str):
-    """(tiny config, its overrides, notes). Layers are cut to 2 unless the config then rejects itself
-    (per-layer settings it derives from other keys): then they keep the default count, with a note."""
+TINY_LEVELS = (  # (reduce layers, cut widths, note): tried in order until the config accepts them
+    (True, True, ""),
+    (False, True, "the config rejects 2 layers ({}); the verify config keeps the default layer count"),
+    (True, False, "the config rejects the tiny widths ({}); the verify config keeps the default widths and "
+                  "head counts, so it is larger: cut them by hand where the config allows"),
+)
+
+
+def tiny_config(model_type: str, patch: dict | None = None):
+    """(tiny config, its overrides, notes). `patch`: values the default config lacks to build at all (a
+    shipped mapping's `default_config`); they are part of the overrides. Where the config rejects the
+    tiny sizes, the layer count, then the widths keep their defaults (TINY_LEVELS), with a note."""
     import transformers
     from transformers import AutoConfig
 
@@ -148,22 +163,37 @@ def tiny_config(model_type: str):
     if model_type not in transformers.CONFIG_MAPPING:
         raise DraftError(f"{model_type!r} is not a model_type of transformers {transformers.__version__}"
                          f"{did_you_mean(model_type, transformers.CONFIG_MAPPING)}")
+    patch = patch or {}
     try:
-        default = AutoConfig.for_model(model_type)
+        default = AutoConfig.for_model(model_type, **patch)
     except Exception as e:  # a config class that needs arguments (a composite): reported
         raise DraftError(f"the default config of {model_type!r} does not build: {type(e).__name__}: {e}") from e
     failures = []
-    for reduce_layers in (True, False):
-        overrides = tiny_overrides(default, reduce_layers)
+    for reduce_layers, widths, note in TINY_LEVELS:
+        overrides = merged(patch, tiny_overrides(default, reduce_layers, widths))
         try:
             config = AutoConfig.for_model(model_type, **overrides)
-        except Exception as e:  # a config class rejecting the sizes: tried again, then reported
-            failures.append(f"{type(e).__name__}: {e} (overrides: {overrides})")
+        except Exception as e:  # a config class rejecting the sizes: the next level, then reported
+            failures.append(f"{type(e).__name__}: {str(e).strip()}")
             continue
-        notes = [] if reduce_layers else [f"the config rejects 2 layers ({failures[0]}); the verify config keeps "
-                                          "the default layer count"]
-        return config, overrides, notes
-    raise DraftError(f"the tiny config of {model_type!r} is rejected: {failures[-1]}")
+        return config, overrides, [note.format(failures[0])] if note else []
+    raise DraftError(f"the tiny config of {model_type!r} is rejected: {failures[0]}")
+
+
+def merged(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested dicts merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def shipped_patch(model_type: str) -> dict:
+    """The `default_config` of the shipped mapping of `model_type`, if there is one ({} otherwise)."""
+    from . import loader
+
+    files = loader.shipped_files()
+    return dict(loader.load_file(files[model_type]).mapping.default_config) if model_type in files else {}
 
 
 # -- 2. the model class ---------------------------------------------------------------------------
@@ -198,13 +228,13 @@ def build_meta(cls, config, which: str = "the tiny config"):
         raise DraftError(f"building {cls.__name__} from {which} failed: {type(e).__name__}: {e}") from e
 
 
-def default_model(model_type: str, cls):
+def default_model(model_type: str, cls, patch: dict):
     """(the class built from the default config with layers cut to 2, as `tpmap lint` builds it, or
     None; a note saying why not)."""
     from .lint.rules import reduced_default_config
 
     try:
-        config = reduced_default_config(model_type)
+        config = reduced_default_config(model_type, patch)
     except Exception as e:  # the config class refusing the layer cut: reported in the draft
         return None, f"the default config with 2 layers is rejected ({type(e).__name__}: {e})"
     try:
@@ -386,6 +416,16 @@ def find_key(config, kind: str, value: int | None, near: str = "") -> str | None
     return max(hits, key=lambda k: (len(words & set(k.split("_"))), k in canonical, -len(k)), default=None)
 
 
+def pick_key(config, kind: str, near: str) -> str | None:
+    """The config key of `kind` for a block list: the one at the tiny value if any, else by `find_key`'s
+    order among those of that kind."""
+    found = find_key(config, kind, TINY[kind], near)
+    if found:
+        return found
+    values = {v for k, v in config.to_dict().items() if type(v) is int and size_kind(k) == kind}
+    return next(iter(sorted(filter(None, (find_key(config, kind, v, near) for v in values)))), None)
+
+
 @dataclass
 class Keys:
     """The config keys the expressions of one block list name (None where the config has none)."""
@@ -399,12 +439,8 @@ class Keys:
 
     @classmethod
     def of(cls, config, near: str) -> "Keys":
-        """Head counts and hidden size by their tiny values; head_dim by name (it keeps its default value
-        where that is not hidden / heads)."""
-        values = config.to_dict()
-        head_dim = next((k for k, v in values.items() if type(v) is int and size_kind(k) == "head_dim"), None)
-        return cls(config, near, *(find_key(config, kind, TINY[kind], near) for kind in ("heads", "kv_heads", "hidden")),
-                   find_key(config, "head_dim", values.get(head_dim), near))
+        """The keys of each kind, preferring the one at its tiny value (a config may keep its defaults)."""
+        return cls(config, near, *(pick_key(config, kind, near) for kind in ("heads", "kv_heads", "hidden", "head_dim")))
 
     def value(self, key: str | None) -> int | None:
         return None if key is None else self.config.to_dict().get(key)
@@ -859,14 +895,17 @@ class Draft:
     vocab_parallel: dict | None
     header: list[str]
     notes: list[str]
+    default_config: dict = field(default_factory=dict)  # from a shipped mapping: what the default lacks
     world_sizes: list[int] = field(default_factory=lambda: [1])
     verify_world_sizes: list[int] = field(default_factory=lambda: [1])
 
     def render(self) -> str:
         lines = ["# yaml-language-server: $schema=mapping.schema.json"] + comment(self.header + self.notes, "")
         lines += [f"model_type: {self.model_type}",
-                  f"world_sizes: {scalar(self.world_sizes)}   # where the planner accepts this draft (default config)",
-                  "entries:"]
+                  f"world_sizes: {scalar(self.world_sizes)}   # where the planner accepts this draft (default config)"]
+        if self.default_config:
+            lines.append(f"default_config: {scalar(self.default_config)}   # from the shipped mapping")
+        lines.append("entries:")
         for entry in self.entries:
             lines += render_entry(entry)
         if self.whole:
@@ -905,10 +944,11 @@ def draft(model_type: str) -> str:
     Raises DraftError when no draft can be made (the config or model does not build, no pairs)."""
     import transformers
 
-    config, overrides, notes = tiny_config(model_type)
+    patch = shipped_patch(model_type)
+    config, overrides, notes = tiny_config(model_type, patch)
     cls = model_class(model_type, config)
     model = build_meta(cls, config)
-    default, default_note = default_model(model_type, cls)
+    default, default_note = default_model(model_type, cls, patch)
     blocks = blocks_of(model.base_model)
     if not blocks:
         raise DraftError(f"{cls.__name__} has no repeated blocks (no nn.ModuleList of layers): nothing to pair")
@@ -934,7 +974,7 @@ def draft(model_type: str) -> str:
               f"{cls.__name__}, built on the meta device from the tiny config under verify. A start, not a proof: "
               "resolve the TODOs, then `tpmap lint FILE` and `tpmap verify FILE`."]
     d = Draft(model_type, cls.__name__, overrides, split, [e for e in entries if e.kind == "whole"],
-              grad_allreduce, vocab, header, notes + update_notes + vocab_notes)
+              grad_allreduce, vocab, header, notes + update_notes + vocab_notes, patch)
     d.verify_world_sizes = supported_world_sizes(model, d.load(), [1, 2, 3, 4]) or [1]
     d.world_sizes = supported_world_sizes(default, d.load(), WORLD_SIZES) if default is not None else []
     if not d.world_sizes:
