@@ -95,6 +95,11 @@ class MissingInputError(TpmapError):
     verify config's ``inputs``, or a declared shape names something the config does not have."""
 
 
+class DraftError(TpmapError):
+    """`tpmap draft` cannot write a draft for a model type (unknown type, a config or model that does not
+    build, no blocks to split); the message says which and why."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
 
