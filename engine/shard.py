@@ -50,17 +50,33 @@ def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
     return torch.cat(parts, dim=shard.dim).detach().contiguous() if len(parts) > 1 else parts[0].detach().clone()
 
 
-def full_tensor(local: torch.Tensor, shard: ParamShard, group=None) -> torch.Tensor:
-    """The full tensor from every rank's slice (a collective: call it on every rank)."""
+def full_tensor(local: torch.Tensor, shard: ParamShard, group=None, dst: int | None = None) -> torch.Tensor | None:
+    """The full tensor from every rank's slice (a collective: call it on every rank). With `dst` (a rank
+    of the group), only that rank gets it and the others None: nothing is gathered on them."""
+    rank = dist.get_rank(group)
     if shard.partial:  # rank 0 holds it
+        if dst == 0:
+            return local.detach().clone() if rank == 0 else None
         full = local.detach().clone()
         dist.broadcast(full, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        return full
+        return full if dst is None or rank == dst else None
     if shard.dim is None:
-        return local.detach().clone()
-    parts = [torch.empty_like(local) for _ in range(len(shard.pieces))]
-    dist.all_gather(parts, local.detach().contiguous(), group=group)
-    full = local.new_empty(shard.full_shape)
+        return local.detach().clone() if dst is None or rank == dst else None
+    if dst is None:
+        parts = [torch.empty_like(local) for _ in range(len(shard.pieces))]
+        dist.all_gather(parts, local.detach().contiguous(), group=group)
+    else:
+        parts = [torch.empty_like(local) for _ in range(len(shard.pieces))] if rank == dst else None
+        dist.gather(local.detach().contiguous(), parts, dst=dist.get_global_rank(group, dst) if group is not None else dst,
+                    group=group)
+        if rank != dst:
+            return None
+    return assemble(parts, shard)
+
+
+def assemble(parts: list[torch.Tensor], shard: ParamShard) -> torch.Tensor:
+    """The full tensor from every rank's local tensor (`take`'s inverse; padding dropped)."""
+    full = parts[0].new_empty(shard.full_shape)
     for rank, part in enumerate(parts):
         offset = 0
         for start, n in shard.pieces[rank]:  # replicated heads are written by each holder, identically
@@ -97,7 +113,7 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":
         order = gather_order(ms.weight) if ms.gather_output else None
-        order = order.to(old.weight.device) if order is not None else None
+        order = order.to(weight.device) if order is not None else None  # the shard's device (old may be on meta)
         new = ColumnParallelLinear(weight, bias, reverse=ms.reverse, group=group,
                                    gather_order=order, gather_output=ms.gather_output, copy_input=ms.copy_input)
     else:
@@ -106,16 +122,19 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
     return new
 
 
-def execute(model: nn.Module, plan: Plan, rank: int, group) -> None:
+def execute(model: nn.Module, plan: Plan, rank: int, group, read=take) -> None:
+    """Shard `model` in place for `rank`. ``read(full, shard, rank)`` gives this rank's local tensor of each
+    split tensor: `take` slices the model's own full tensor; `tpmap.from_pretrained` passes a reader that
+    reads the slice from a checkpoint instead (the model's full tensors then sit on the meta device)."""
     new_params: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard: tied weights stay one tensor
 
     def param(full: nn.Parameter, shard: ParamShard) -> nn.Parameter:
         if id(full) not in new_params:
-            new_params[id(full)] = nn.Parameter(take(full.data, shard, rank), requires_grad=full.requires_grad)
+            new_params[id(full)] = nn.Parameter(read(full.data, shard, rank), requires_grad=full.requires_grad)
         return new_params[id(full)]
 
     new = {ms.name: _build(model.get_submodule(ms.name), ms, rank, group, param) for ms in plan.modules}
-    cut = [(t, _cut(model, t, rank, param)) for t in plan.tensors]
+    cut = [(t, _cut(model, t, rank, param, read)) for t in plan.tensors]
     aliases = [(n, model.get_parameter(n)) for p in plan.params.values() if p.aliases for n in (p.name, *p.aliases)]
     for name, module in new.items():
         model.set_submodule(name, module)
@@ -137,14 +156,14 @@ def execute(model: nn.Module, plan: Plan, rank: int, group) -> None:
     _register_grad_hooks(model, plan, group)
 
 
-def _cut(model: nn.Module, t: ParamShard, rank: int, param):
+def _cut(model: nn.Module, t: ParamShard, rank: int, param, read):
     """This rank's part of a Param tensor: a new Parameter, a new buffer, or a RankModuleList."""
     owner, _, attr = t.name.rpartition(".")
     old = getattr(model.get_submodule(owner), attr)
     if t.holder == "parameter":
         return param(old, t)
     if t.holder == "buffer":
-        return take(old, t, rank)
+        return read(old, t, rank)
     return RankModuleList({i: old[i] for i in t.indices(rank)})
 
 

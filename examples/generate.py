@@ -1,8 +1,11 @@
 """Greedy generation with a tensor-parallel model; every rank produces the same tokens.
 
-    torchrun --nproc-per-node 2 examples/generate.py --model-type gpt2 [--check]
+    torchrun --nproc-per-node 2 examples/generate.py --model DIR [--check]     # a checkpoint folder
+    torchrun --nproc-per-node 2 examples/generate.py --model-type gpt2 --check # a tiny random model
 
-With --check, each rank also generates with the unsharded model and reports whether the tokens match.
+With --model, each rank reads only its slices of the folder's safetensors (tpmap.from_pretrained);
+without it, the mapping's tiny config gives a random model (no download). With --check, each rank
+also generates with the unsharded model and reports whether the tokens match.
 
 Out-of-step ranks (what happens when one rank fails or leaves its loop early; tested in CI):
 ``--fail-on-rank R`` raises inside rank R's third forward, ``--stop-early-on-rank R`` makes rank R
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from datetime import timedelta
 
 import torch
@@ -25,7 +29,8 @@ from tpmap.verify import large_init_, tiny_config
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-type", default="gpt2")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--model-type", default="gpt2", help="without --model: the tiny random model of this type")
     parser.add_argument("--new-tokens", type=int, default=20)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout in seconds")
@@ -33,15 +38,22 @@ def main() -> None:
     parser.add_argument("--stop-early-on-rank", type=int, default=None, help="demo: this rank generates fewer tokens")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     torch.manual_seed(0)
-    full = AutoModelForCausalLM.from_config(tiny_config(args.model_type)).eval()
-    large_init_(full, seed=0)  # random weights with a wide spread: greedy decoding does not just repeat a token
-    model = tpmap.apply(copy.deepcopy(full) if args.check else full, world_size)
+    if args.model:
+        model = tpmap.from_pretrained(args.model, device=device)
+        full = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval() if args.check else None
+    else:
+        full = AutoModelForCausalLM.from_config(tiny_config(args.model_type)).eval()
+        large_init_(full, seed=0)  # random weights with a wide spread: greedy decoding does not just repeat a token
+        model = tpmap.apply(copy.deepcopy(full) if args.check else full, world_size).to(device)
+        full = full.to(device)
 
-    prompt = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]])  # batch 2, left-padded
-    mask = (torch.arange(6) >= torch.tensor([[0], [3]])).long()
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]], device=device)  # batch 2, left-padded
+    mask = (torch.arange(6, device=device) >= torch.tensor([[0], [3]], device=device)).long()
     kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
     if rank == args.fail_on_rank:
         calls = []

@@ -1,9 +1,13 @@
-"""Fine-tune a tiny random model for a few steps with tensor parallelism, then save a standard checkpoint.
+"""Fine-tune a model for a few steps with tensor parallelism, then save a standard checkpoint.
 
-    torchrun --nproc-per-node 2 examples/train.py --model-type llama --steps 5 [--save DIR] [--loss-parallel]
+    torchrun --nproc-per-node 2 examples/train.py --model DIR --steps 5 --save OUT   # a checkpoint folder
+    torchrun --nproc-per-node 2 examples/train.py --model-type llama --steps 5 [--save OUT] [--loss-parallel]
 
-Every rank builds the same model (same seed) from the embedded tiny config of the mapping (no
-download), shards it with tpmap.apply, and trains on the same batches; rank 0 prints the loss.
+With --model, each rank reads only its slices of the folder (tpmap.from_pretrained); without it,
+every rank builds the same tiny random model (same seed) from the mapping's embedded config (no
+download) and shards it with tpmap.apply. Every rank trains on the same batches; rank 0 prints the
+loss. --save writes the unsharded model as a standard transformers checkpoint (tpmap.save_pretrained:
+rank 0 gathers one tensor at a time), loadable by AutoModelForCausalLM.from_pretrained.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ from tpmap.verify import tiny_config
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-type", default="llama")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--model-type", default="llama", help="without --model: the tiny random model of this type")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--save", default=None, help="write the unsharded checkpoint here (rank 0)")
+    parser.add_argument("--save", default=None, help="write the unsharded checkpoint to this folder")
     parser.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocabulary shards")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="process-group timeout in seconds: a rank that left the loop early ends the job then")
@@ -35,8 +40,11 @@ def main() -> None:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
 
     torch.manual_seed(0)  # the same on every rank: same init, same batches, same replicated dropout
-    model = AutoModelForCausalLM.from_config(tiny_config(args.model_type))
-    model = tpmap.apply(model, world_size, loss_parallel=args.loss_parallel).to(device).train()
+    if args.model:
+        model = tpmap.from_pretrained(args.model, device=device, loss_parallel=args.loss_parallel).train()
+    else:
+        model = AutoModelForCausalLM.from_config(tiny_config(args.model_type))
+        model = tpmap.apply(model, world_size, loss_parallel=args.loss_parallel).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     vocab = model.config.vocab_size
@@ -50,12 +58,11 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
 
-    state = tpmap.full_state_dict(model)  # a collective: every rank takes part
-    if rank == 0 and args.save:
-        # the unsharded state dict under the original names: a standard transformers checkpoint
-        print(f"saving {len(state)} tensors to {args.save}", flush=True)
-        AutoModelForCausalLM.from_config(model.config).save_pretrained(args.save, state_dict=state)
-    dist.barrier()  # let rank 0 finish writing before any rank tears the group down
+    if args.save:
+        tpmap.save_pretrained(model, args.save)  # a collective: every rank takes part, rank 0 writes
+        if rank == 0:
+            print(f"saved to {args.save}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

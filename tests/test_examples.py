@@ -83,3 +83,37 @@ def test_ranks_calling_generate_out_of_step_fail_at_once_on_every_rank():
     code, out, seconds = _torchrun_failing("generate.py", "--stop-early-on-rank", "0", "--timeout", "600")
     assert code != 0 and "called generate with other settings than rank 0: max_new_tokens" in out, out[-3000:]
     assert seconds < 600  # not the process-group timeout
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory):
+    """A checkpoint folder as a user would download one: the tiny llama, sharded into several files."""
+    from transformers import AutoModelForCausalLM
+
+    from tpmap.verify import large_init_, tiny_config
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    large_init_(model, seed=0)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+def test_train_example_loads_a_checkpoint_folder_and_saves_one(tmp_path, tiny_llama_folder):
+    from transformers import AutoModelForCausalLM
+
+    out2 = torchrun(2, "train.py", "--model", str(tiny_llama_folder), "--steps", "3", "--save", str(tmp_path / "tp2"))
+    out1 = torchrun(1, "train.py", "--model", str(tiny_llama_folder), "--steps", "3")
+    losses2 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out2)]
+    losses1 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out1)]
+    assert len(losses2) == 3 and losses2[-1] < losses2[0]
+    assert losses2 == pytest.approx(losses1, abs=2e-4)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2").state_dict()
+    before = AutoModelForCausalLM.from_pretrained(tiny_llama_folder).state_dict()
+    assert saved.keys() == before.keys()
+    assert max((saved[k] - before[k]).abs().max().item() for k in saved) > 1e-3  # trained, then saved whole
+
+
+def test_generate_example_loads_a_checkpoint_folder(tiny_llama_folder):
+    out = torchrun(2, "generate.py", "--model", str(tiny_llama_folder), "--check")
+    assert "rank 0: matches the unsharded model: True" in out and "rank 1: matches the unsharded model: True" in out

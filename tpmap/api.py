@@ -94,7 +94,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
         dist.init_process_group("gloo")
         model = tpmap.apply(AutoModelForCausalLM.from_config(cfg), world_size=2)
     """
-    from tpmap.engine import plan as planning, shard
+    from tpmap.engine import plan as planning
 
     if getattr(model, PLAN_ATTR, None) is not None:
         raise AlreadyAppliedError(f"{type(model).__name__} is already tensor-parallel "
@@ -107,18 +107,32 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                               "they hold no values to slice. Load the weights first (from_pretrained, or "
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
     plan = planning.build(model, loaded, tp_size)
-    head = next((m for m in plan.modules if m.style == "vocab_head"), None)
-    if loss_parallel and head is None:
+    check_loss_parallel(plan, loaded, model, loss_parallel)
+    if tp_size == 1:
+        return model
+    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs)
+
+
+def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
+    if loss_parallel and not any(m.style == "vocab_head" for m in plan.modules):
         raise LossParallelError(
             f"loss_parallel needs an LM head split along the vocabulary, and {loaded.source.path} has no "
             f"vocab_parallel with lm_head: true for {type(model).__name__}; add `vocab_parallel: {{lm_head: true}}` "
             "to the mapping or drop loss_parallel"
         )
-    if tp_size == 1:
-        return model
-    shard.execute(model, plan, tp_rank, group)
+
+
+def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool, check_inputs: bool,
+            read=None) -> nn.Module:
+    """Execute a checked plan on `model` for this rank and attach what a tensor-parallel model carries (the
+    plan, loss_parallel, the input check). `read` gives each split tensor's local part (default: sliced
+    from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
+    from tpmap.engine import shard
+
+    shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
     setattr(model, PLAN_ATTR, plan)
     if loss_parallel:
+        head = next(m for m in plan.modules if m.style == "vocab_head")
         _use_loss_parallel(model, model.get_submodule(head.name))
     if check_inputs:
         model.register_forward_pre_hook(_same_inputs_on_every_rank(model, group), with_kwargs=True)

@@ -4,6 +4,8 @@
     tpmap plan MODEL_TYPE|FILE.yaml -n N [--rank R] [--default-config]  print the plan as a table
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
     tpmap schema                                                 print the mapping JSON Schema
+    tpmap models [-o MODELS.md]                                  the table of shipped mappings and their proofs
+    tpmap draft MODEL_TYPE [-o FILE]                             write a starting mapping (a draft)
 """
 from __future__ import annotations
 
@@ -57,6 +59,18 @@ def _plan(args) -> int:
     return 0
 
 
+def _models(args) -> int:
+    from . import catalog
+
+    text = catalog.render(catalog.rows())
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _lint(args) -> int:
     from . import lint
     from .lint import report
@@ -80,6 +94,21 @@ def _schema(args) -> int:
     from .schema import json_schema
 
     print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def _draft(args) -> int:
+    from . import draft
+
+    text = draft.draft(args.model_type)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(text)
+    todos = text.count("TODO:")
+    print(f"tpmap draft: wrote {args.output} ({todos} TODO{'s' if todos != 1 else ''}); next: "
+          f"tpmap lint {args.output} && tpmap verify {args.output}", file=sys.stderr)
     return 0
 
 
@@ -113,8 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", action="store_true", help="list the rule ids and exit")
     p.set_defaults(func=_lint)
 
+    p = sub.add_parser("models", help="the table of shipped mappings and what CI proves for each (MODELS.md)")
+    p.add_argument("-o", "--output", default=None, help="write it to this file instead of stdout")
+    p.set_defaults(func=_models)
+
     p = sub.add_parser("schema", help="print the JSON Schema of mapping files (for editors)")
     p.set_defaults(func=_schema)
+
+    p = sub.add_parser("draft", help="write a starting mapping for a model type from its module structure",
+                       description="Write a starting mapping for MODEL_TYPE from the structure of a tiny model "
+                       "built on the meta device (and the config's base_model_tp_plan where transformers ships "
+                       "one). Layouts that shapes cannot tell are marked # TODO. A start, not a proof: run "
+                       "tpmap lint and tpmap verify on it.")
+    p.add_argument("model_type", metavar="MODEL_TYPE", help="a transformers config.model_type, e.g. mistral")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
+    p.set_defaults(func=_draft)
     return parser
 
 

@@ -95,8 +95,21 @@ class MissingInputError(TpmapError):
     verify config's ``inputs``, or a declared shape names something the config does not have."""
 
 
+class DraftError(TpmapError):
+    """`tpmap draft` cannot write a draft for a model type (unknown type, a config or model that does not
+    build, no blocks to split); the message says which and why."""
+
+
 class AlreadyAppliedError(TpmapError):
     """`tpmap.apply` was called on a model that is already tensor-parallel."""
+
+
+class CheckpointError(TpmapError):
+    """A checkpoint folder or file is missing, truncated, in an unsupported format, or disagrees with its config."""
+
+
+class LoadError(TpmapError):
+    """Loading failed on another rank (every rank raises, so none is left waiting in a collective)."""
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -1,0 +1,114 @@
+"""How many `tpmap draft` outputs verify unedited: ``python benchmarks/draft_coverage.py [MODEL_TYPE ...]``.
+
+Drafts every model type of ../shared/ARCHITECTURES.md (the backticked model_type column; or the model
+types given), loads each draft, and runs `tpmap verify`'s forward case on it at world size 2 (``-n``)
+on one pool of real gloo ranks, each model under a time limit (``--timeout``). Prints one line per
+model type and the count, and with ``--out FILE`` writes the same as a Markdown table. Slow on 2
+cores (about 2-3 s per model once the ranks are up). A draft that cannot be made, a model that does
+not build or a rank that fails is reported with its error, never skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARCHITECTURES = Path(__file__).resolve().parents[2] / "shared" / "ARCHITECTURES.md"
+
+
+def model_types(path: Path) -> list[str]:
+    """The backticked model_type column of the main table, in table order."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 8 and re.fullmatch(r"`[^`]+`", cells[2]):
+            out.append(cells[2].strip("`"))
+    return list(dict.fromkeys(out))
+
+
+def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) -> tuple[str, str]:
+    """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft' (with the drafter's error,
+    also when it crashed rather than refused)."""
+    from tpmap import draft, loader, verify
+    from tpmap.errors import TpmapError
+    from tpmap.launch import RankFailure
+
+    try:
+        text = draft.draft(model_type)
+    except TpmapError as e:
+        return "no draft", str(e).splitlines()[0]
+    except Exception as e:  # the drafter itself failed (a transformers surprise or a tpmap bug): shown as such
+        return "no draft", f"drafter crashed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    path = folder / f"{model_type}.yaml"
+    path.write_text(text, encoding="utf-8")
+    try:
+        mapping = loader.load_file(path).mapping
+    except TpmapError as e:
+        return "does not load", str(e).splitlines()[0]
+    spec = mapping.verify[0]
+    if world_size not in spec.world_sizes:
+        return "fails verify", f"the draft's verify world sizes {spec.world_sizes} lack {world_size}"
+    case = verify.Case(str(path), model_type, 0, spec.name, spec.models[0], world_size)
+    try:
+        result = verify.judge(case, pool.run(verify.forward_case, case.ref, 0, case.class_name, timeout=timeout))
+    except RankFailure as e:
+        last = e.summary().splitlines()
+        return "fails verify", unsharded_problem(case) + (last[1].strip() if len(last) > 1 else last[0])
+    return ("verified", f"rel {result.rel_diff:.1e}") if result.passed else ("fails verify", result.error)
+
+
+def unsharded_problem(case) -> str:
+    """'the unsharded tiny model fails too: ...; ' when the draft's verify config cannot even run the model
+    (a tiny-config problem, not a sharding one), else ''."""
+    from tpmap import verify
+
+    try:
+        model = verify.build_model(case.ref, 0, case.class_name)
+        model(**verify.case_inputs(case.ref, 0, model))
+    except Exception as e:  # what the model raises is the finding: reported
+        return f"the unsharded tiny model fails too ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+    return ""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_types", nargs="*", help="default: every model type of ARCHITECTURES.md")
+    parser.add_argument("--architectures", type=Path, default=ARCHITECTURES)
+    parser.add_argument("-n", "--world-size", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per model type on the ranks")
+    parser.add_argument("--out", type=Path, help="also write the results as a Markdown table here")
+    args = parser.parse_args(argv)
+
+    from tpmap.launch import RankPool
+
+    types = args.model_types or model_types(args.architectures)
+    rows = []
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, RankPool(args.world_size) as pool:
+        for model_type in types:
+            t0 = time.monotonic()
+            status, detail = one(model_type, Path(tmp), pool, args.world_size, args.timeout)
+            rows.append((model_type, status, detail, time.monotonic() - t0))
+            print(f"{model_type:<22} {status:<14} {rows[-1][3]:6.1f}s  {detail[:200]}", flush=True)
+    counts = collections.Counter(status for _, status, _, _ in rows)
+    summary = (f"{counts['verified']} of {len(rows)} drafts verify unedited at world size {args.world_size} "
+               f"({counts['fails verify']} fail verify, {counts['does not load']} do not load, "
+               f"{counts['no draft']} without a draft); {time.monotonic() - t_start:.0f} s")
+    print(summary)
+    if args.out:
+        import transformers
+
+        lines = [f"# tpmap draft coverage (transformers {transformers.__version__})", "",
+                 f"`python benchmarks/draft_coverage.py --out {args.out}`: {summary}.", "",
+                 "| model_type | result | detail |", "|---|---|---|"]
+        lines += [f"| `{m}` | {s} | {d[:300].replace('|', chr(92) + '|')} |" for m, s, d, _ in rows]
+        args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

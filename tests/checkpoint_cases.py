@@ -1,0 +1,215 @@
+"""Functions the checkpoint tests run on every rank of a RankPool (importable by name in the rank
+processes). Each computes its reference in the same run and returns plain data."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import tpmap
+from tpmap import verify
+
+
+class _CountReads:
+    """Counts the tensor bytes tpmap reads from checkpoint files while active."""
+
+    def __enter__(self):
+        from tpmap.checkpoint import SafetensorsFile
+
+        self.bytes, self.original = 0, SafetensorsFile.read_into
+
+        def counting(file, buffer, offset):
+            self.bytes += len(buffer)
+            return self.original(file, buffer, offset)
+
+        SafetensorsFile.read_into = counting
+        return self
+
+    def __exit__(self, *exc):
+        from tpmap.checkpoint import SafetensorsFile
+
+        SafetensorsFile.read_into = self.original
+
+
+def _differences(want: dict, got: dict) -> list[str]:
+    """Names whose tensors differ in name, dtype, shape or any bit."""
+    out = sorted(want.keys() ^ got.keys())
+    for name in sorted(want.keys() & got.keys()):
+        a, b = want[name], got[name]
+        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device or not torch.equal(
+                a.reshape(-1).view(torch.uint8) if a.numel() else a, b.reshape(-1).view(torch.uint8) if b.numel() else b):
+            out.append(name)
+    return out
+
+
+def _tensors(model: torch.nn.Module) -> dict:
+    """Every parameter and buffer (non-persistent ones too), by name."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def from_pretrained_equals_apply(folder: str, class_names: list[str], dtype: str | None = None,
+                                 gap_bytes: int | None = None, **hf_kwargs) -> dict:
+    """For each class: tpmap.from_pretrained against tpmap.apply on the model transformers loads, bit for bit
+    (parameters, buffers, ties, generation config, loading info); and the bytes each rank read.
+    `gap_bytes`: engine.load.GAP_BYTES for this call (0: every run read on its own, no gaps read)."""
+    from tpmap.engine import load
+
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    saved = load.GAP_BYTES
+    load.GAP_BYTES = saved if gap_bytes is None else gap_bytes
+    try:
+        return {name: _equals_apply(folder, name, torch_dtype, ws, hf_kwargs) for name in class_names}
+    finally:
+        load.GAP_BYTES = saved
+
+
+def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict) -> dict:
+    """One class: both loads, compared; the bytes tpmap read and the bytes the rank keeps."""
+    cls = getattr(transformers, name)
+    torch.manual_seed(0)  # missing weights are drawn from the same stream in both
+    full, info_hf = cls.from_pretrained(folder, dtype=torch_dtype, output_loading_info=True, **hf_kwargs)
+    want = tpmap.apply(full, ws)
+    torch.manual_seed(0)
+    with _CountReads() as reads:
+        got, info = tpmap.from_pretrained(folder, model_class=name, dtype=torch_dtype, output_loading_info=True,
+                                          **hf_kwargs)
+    ties = lambda m: sorted(sorted(ns) for ns in _tie_groups(m) if len(ns) > 1)  # noqa: E731
+    return {
+        "differ": _differences(_tensors(want), _tensors(got)),
+        "ties_equal": ties(want) == ties(got),
+        "info_equal": {k: sorted(map(str, v)) for k, v in info.items()} == {
+            k: sorted(map(str, v)) for k, v in info_hf.items()},
+        "info": {k: sorted(map(str, v)) for k, v in info.items()},
+        "generation_equal": (want.generation_config.to_dict() == got.generation_config.to_dict()
+                             if want.can_generate() else True),
+        "training": got.training,
+        "read": reads.bytes,
+        "kept": sum(t.numel() * t.element_size() for t, _ in _unique(got)),
+    }
+
+
+def _unique(model):
+    seen = {}
+    for name, t in _tensors(model).items():
+        seen.setdefault(id(t), (t, name))
+    return list(seen.values())
+
+
+def _tie_groups(model) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(t), []).append(name)
+    return list(groups.values())
+
+
+def save_sharded(ref: str, verify_index: int, class_name: str, folder: str, **hf_kwargs) -> dict:
+    """apply -> tpmap.save_pretrained; returns the unsharded model's state dict (rank 0) for comparison."""
+    full = verify.build_model(ref, verify_index, class_name)
+    want = {k: v.clone() for k, v in full.state_dict().items()}
+    model = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=verify.resolve(ref))
+    tpmap.save_pretrained(model, folder, **hf_kwargs)
+    return {"state": want if dist.get_rank() == 0 else None}
+
+
+def logits_from_pretrained(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
+    """tpmap.from_pretrained at this world size against the unsharded model the folder was saved from."""
+    full = verify.build_model(ref, verify_index, class_name)
+    inputs = verify.case_inputs(ref, verify_index, full)
+    model = tpmap.from_pretrained(folder, model_class=class_name, mapping=verify.resolve(ref))
+    with torch.no_grad():
+        want, got = verify.main_output(full(**inputs)), verify.main_output(model(**inputs))
+    return {"max_diff": (want - got).abs().max().item(), "scale": want.abs().max().item()}
+
+
+def load_error(folder: str, **kwargs) -> dict:
+    """from_pretrained that must fail: the error on this rank; then a barrier shows no rank is left hanging."""
+    try:
+        tpmap.from_pretrained(folder, **kwargs)
+        error = None
+    except Exception as e:  # the test inspects the type and message
+        error = (type(e).__name__, str(e))
+    dist.barrier()
+    return {"error": error}
+
+
+def whole_conversions(folder: str, class_name: str) -> dict:
+    """The fallback: every converted tensor read whole and sliced; the same bits, with a warning."""
+    from tpmap import conversion
+
+    ws = dist.get_world_size()
+    want = tpmap.apply(getattr(transformers, class_name).from_pretrained(folder), ws)
+    conversion.LAZY_CONVERSIONS = False
+    try:
+        with warnings.catch_warnings(record=True) as caught, _CountReads() as reads:
+            warnings.simplefilter("always")
+            got = tpmap.from_pretrained(folder, model_class=class_name)
+    finally:
+        conversion.LAZY_CONVERSIONS = True
+    return {"differ": _differences(_tensors(want), _tensors(got)), "read": reads.bytes,
+            "warnings": [str(w.message) for w in caught if "tpmap" in str(w.message)]}
+
+
+def fails_on_one_rank(folder: str) -> dict:
+    """Rank 1 fails while reading (after every check passed): every rank must raise, none hang."""
+    from tpmap.checkpoint import SafetensorsFile
+
+    original = SafetensorsFile.read_into
+
+    def broken(file, buffer, offset):
+        raise OSError(f"simulated read error in {file.path.name}")
+
+    if dist.get_rank() == 1:
+        SafetensorsFile.read_into = broken
+    try:
+        tpmap.from_pretrained(folder)
+        error = None
+    except Exception as e:  # the test inspects the type and message
+        error = (type(e).__name__, str(e))
+    finally:
+        SafetensorsFile.read_into = original
+    dist.barrier()
+    return {"error": error}
+
+
+def fused_qkv(folder: str) -> dict:
+    """A checkpoint whose q, k, v are one stored tensor, split by a (registered) transformers Chunk
+    conversion: one stored tensor makes three differently split targets, so tpmap converts it whole
+    (the fallback) -- and still equals apply on transformers' load, with a warning saying so."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    conversion_mapping.register_checkpoint_conversion_mapping("LlamaForCausalLM", [WeightConverter(
+        "self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        operations=[Chunk(dim=0)])], overwrite=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _equals_apply(folder, "LlamaForCausalLM", None, dist.get_world_size(), {})
+    finally:
+        conversion_mapping._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM")
+        conversion_mapping.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")
+    result["warnings"] = [str(w.message) for w in caught if "tpmap" in str(w.message)]
+    return result
+
+
+def load_and_save(folder: str, out: str, class_name: str) -> dict:
+    """tpmap.from_pretrained, then tpmap.save_pretrained: what loading renamed is saved under the old names."""
+    model = tpmap.from_pretrained(folder, model_class=class_name)
+    tpmap.save_pretrained(model, out)
+    return {}
+
+
+def loss_parallel_loss(folder: str) -> dict:
+    """from_pretrained(loss_parallel=True) against apply(loss_parallel=True) on transformers' load: the
+    same vocabulary-parallel loss, bit for bit, in training mode (logits kept split)."""
+    ws = dist.get_world_size()
+    want = tpmap.apply(transformers.LlamaForCausalLM.from_pretrained(folder), ws, loss_parallel=True).train()
+    got = tpmap.from_pretrained(folder, loss_parallel=True).train()
+    ids = torch.randint(3, want.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    out_want, out_got = want(input_ids=ids, labels=ids), got(input_ids=ids, labels=ids)
+    return {"same_loss": torch.equal(out_want.loss, out_got.loss), "local_vocab": out_got.logits.shape[-1],
+            "vocab": want.config.vocab_size}

@@ -1,0 +1,24 @@
+"""MODELS.md is generated from what CI proves, and stays in step with the mappings and the test cases."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpmap import catalog, loader, verify
+
+import test_mappings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_models_md_is_the_generated_table():
+    want = catalog.render(catalog.rows())
+    assert (ROOT / "MODELS.md").read_text() == want, "regenerate it: tpmap models -o MODELS.md"
+
+
+def test_each_row_lists_exactly_the_checks_ci_runs():
+    for model_type in loader.shipped_files():
+        cases = [c.values for c in test_mappings.CASES if c.values[0] == model_type]
+        forward, gradient, generate = catalog.proven_checks(verify.resolve(model_type).mapping)
+        assert forward == sorted({c[3] for c in cases}), model_type
+        assert gradient == sorted({c[3] for c in cases if c[4]}), model_type
+        assert generate == sorted({c[3] for c in cases if c[5]}), model_type

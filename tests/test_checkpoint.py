@@ -1,0 +1,353 @@
+"""tpmap.from_pretrained and tpmap.save_pretrained on real gloo ranks, for every shipped mapping.
+
+* Loading: each rank's parameters and buffers are bit-identical to `tpmap.apply` on the model
+  transformers' `from_pretrained` loads (ties, missing weights initialized from the same seed,
+  unexpected keys, generation config and loading info alike), from a checkpoint sharded into many
+  files, at world sizes 2 and 4 (the first verify config of each mapping; a mapping added later is
+  tested by being shipped). At 4, every run is read on its own and each rank reads no more bytes
+  than it keeps: only its slices.
+* Saving: apply -> tpmap.save_pretrained writes the files transformers' save_pretrained writes for the
+  unsharded model, loads back bit-identical with plain transformers, and tpmap.from_pretrained at
+  another world size gives the unsharded logits.
+* Conversions, ties, dtypes, key mappings; every bad input of issue 8 raises on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import checkpoint_cases as cases
+import tpmap
+from tpmap import loader, verify
+
+
+def _shipped() -> list[tuple[str, int]]:
+    out = []
+    for model_type in loader.shipped_files():
+        spec = verify.resolve(model_type).mapping.verify[0]
+        out += [(model_type, ws) for ws in (2, 4) if ws in spec.world_sizes]
+    return out
+
+
+SHIPPED = _shipped()
+MODEL_TYPES = list(dict.fromkeys(m for m, _ in SHIPPED))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """model type -> a folder holding its first verify config's first class, in 64 KB shards."""
+    made: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in made:
+            spec = verify.resolve(model_type).mapping.verify[0]
+            folder = tmp_path_factory.mktemp(f"checkpoint-{model_type}")
+            verify.build_model(model_type, 0, spec.models[0]).save_pretrained(folder, max_shard_size="64KB")
+            assert len(list(folder.glob("*.safetensors"))) > 1  # really sharded, with an index
+            made[model_type] = folder
+        return made[model_type]
+
+    return get
+
+
+def _classes(model_type: str) -> list[str]:
+    return verify.resolve(model_type).mapping.verify[0].models
+
+
+@pytest.mark.parametrize("model_type,ws", SHIPPED, ids=lambda v: v if isinstance(v, str) else f"ws{v}")
+def test_from_pretrained_equals_apply_on_the_loaded_model(ranks, checkpoint, model_type, ws):
+    gap = 0 if ws == 4 else None  # at 4: run by run, so the bytes read are exactly the slices
+    per_rank = ranks(ws).run(cases.from_pretrained_equals_apply, str(checkpoint(model_type)), _classes(model_type),
+                             gap_bytes=gap)
+    for rank, results in enumerate(per_rank):
+        for cls, r in results.items():
+            assert r["differ"] == [], (rank, cls, r["differ"][:5])
+            assert r["ties_equal"] and r["generation_equal"] and not r["training"], (rank, cls)
+            assert r["info_equal"], (rank, cls, r["info"])
+            if ws == 4:
+                assert 0 < r["read"] <= r["kept"], (rank, cls, r["read"], r["kept"])
+
+
+def test_missing_and_unexpected_keys_are_those_transformers_reports(ranks, checkpoint):
+    """BERT's checkpoint is a BertModel: the heads of the other classes are missing (initialized from the
+    seed, bit-identical above) and the equality of the reports above is not vacuous."""
+    results = ranks(2).run(cases.from_pretrained_equals_apply, str(checkpoint("bert")),
+                           ["BertForSequenceClassification"])[1]["BertForSequenceClassification"]
+    assert {"classifier.weight", "classifier.bias"} <= set(results["info"]["missing_keys"]), results["info"]
+    assert results["differ"] == [] and results["info_equal"]
+
+
+def test_missing_weights_that_are_split_are_drawn_as_transformers_draws_them(ranks, tmp_path):
+    """A LlamaModel checkpoint loaded as LlamaForCausalLM: the LM head is missing, drawn at random on the
+    full-size model from the seed (as transformers does), then split by the vocabulary."""
+    verify.build_model("llama", 0, "LlamaModel").save_pretrained(tmp_path)
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(tmp_path), ["LlamaForCausalLM"]):
+        r = results["LlamaForCausalLM"]
+        assert r["info"]["missing_keys"] == ["lm_head.weight"], r["info"]
+        assert r["differ"] == [] and r["info_equal"], r["differ"]
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_from_pretrained_at_world_size_1_equals_transformers(checkpoint, model_type):
+    for cls, r in cases.from_pretrained_equals_apply(str(checkpoint(model_type)), _classes(model_type)).items():
+        assert r["differ"] == [] and r["ties_equal"] and r["info_equal"] and r["generation_equal"], (cls, r)
+
+
+def test_a_float32_checkpoint_loaded_in_bfloat16(ranks, checkpoint):
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(checkpoint("llama")), ["LlamaForCausalLM"],
+                                dtype="bfloat16"):
+        r = results["LlamaForCausalLM"]
+        assert r["differ"] == [], r["differ"][:5]
+
+
+def test_loss_parallel_from_a_checkpoint(ranks, checkpoint):
+    for r in ranks(2).run(cases.loss_parallel_loss, str(checkpoint("llama"))):
+        assert r["same_loss"] and r["local_vocab"] == -(-r["vocab"] // 2), r
+
+
+# -- saving ---------------------------------------------------------------------------------------------
+def _saves() -> list[tuple[str, int]]:
+    out = []
+    for model_type in MODEL_TYPES:
+        sizes = verify.resolve(model_type).mapping.verify[0].world_sizes
+        out.append((model_type, 4 if 4 in sizes else 2))
+    return out
+
+
+def _read(folder: Path, name: str) -> bytes:
+    return (folder / name).read_bytes()
+
+
+@pytest.mark.parametrize("model_type,ws", _saves(), ids=lambda v: v if isinstance(v, str) else f"ws{v}")
+def test_save_pretrained_writes_what_transformers_writes(ranks, tmp_path, model_type, ws):
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    converted = get_checkpoint_conversion_mapping(model_type) is not None
+    for cls in _classes(model_type):
+        ours, theirs = tmp_path / cls / "tpmap", tmp_path / cls / "transformers"
+        ranks(ws).run(cases.save_sharded, model_type, 0, cls, str(ours), max_shard_size="64KB")
+        full = verify.build_model(model_type, 0, cls)
+        full.save_pretrained(theirs, max_shard_size="64KB")
+        # a standard checkpoint: plain transformers loads it back bit for bit
+        loaded = getattr(transformers, cls).from_pretrained(ours).state_dict()
+        want = full.state_dict()
+        assert loaded.keys() == want.keys()
+        assert all(loaded[k].dtype == want[k].dtype and torch.equal(loaded[k], want[k]) for k in want), cls
+        for name in ("config.json", "generation_config.json"):
+            assert (ours / name).exists() == (theirs / name).exists(), name
+            if (theirs / name).exists():
+                assert json.loads(_read(ours, name)) == json.loads(_read(theirs, name)), name
+        index = "model.safetensors.index.json"
+        assert set(json.loads(_read(ours, index))["weight_map"]) == set(json.loads(_read(theirs, index))["weight_map"])
+        if not converted:  # converted tensors: transformers counts views of one gathered tensor once when splitting
+            assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+            assert all(_read(ours, f) == _read(theirs, f) for f in os.listdir(theirs)), cls
+        # and back into tensor parallelism at another world size: the unsharded logits
+        other = 2 if ws == 4 else 1
+        per_rank = (ranks(other).run(cases.logits_from_pretrained, model_type, 0, cls, str(ours)) if other > 1
+                    else [cases.logits_from_pretrained(model_type, 0, cls, str(ours))])
+        for r in per_rank:
+            assert r["max_diff"] <= verify.RTOL * r["scale"], (cls, r)
+
+
+def test_a_single_file_save_is_byte_identical_to_transformers(ranks, tmp_path):
+    """Default shard size: one model.safetensors, byte for byte, converted expert tensors included."""
+    ours, theirs = tmp_path / "tpmap", tmp_path / "transformers"
+    ranks(2).run(cases.save_sharded, "mixtral", 0, "MixtralForCausalLM", str(ours))
+    verify.build_model("mixtral", 0, "MixtralForCausalLM").save_pretrained(theirs)
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs)) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    assert _read(ours, "model.safetensors") == _read(theirs, "model.safetensors")
+
+
+def test_save_pretrained_of_an_ordinary_model_is_transformers_save(tmp_path):
+    model = verify.build_model("llama", 0, "LlamaForCausalLM")
+    tpmap.save_pretrained(model, tmp_path / "a")
+    model.save_pretrained(tmp_path / "b")
+    assert _read(tmp_path / "a", "model.safetensors") == _read(tmp_path / "b", "model.safetensors")
+    with pytest.raises(TypeError, match="max_shard_size"):
+        tpmap.save_pretrained(model, tmp_path / "c", safe_serialization=False)
+
+
+# -- conversions, ties, key mappings ---------------------------------------------------------------------
+def _rewrite(folder: Path, rename) -> None:
+    """Rename the tensors of a single-file checkpoint."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    save_file({rename(k): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def test_experts_are_read_lazily_and_the_whole_conversion_fallback_gives_the_same_bits(ranks, checkpoint):
+    folder = str(checkpoint("mixtral"))
+    lazy = ranks(2).run(cases.from_pretrained_equals_apply, folder, ["MixtralForCausalLM"], gap_bytes=0)
+    for r in ranks(2).run(cases.whole_conversions, folder, "MixtralForCausalLM"):
+        assert r["differ"] == []
+        # one warning per kind of conversion: gate_up_proj (stack, concat), down_proj (stack)
+        assert len(r["warnings"]) == 2 and "transformers' MergeModulelist, Concatenate;" in r["warnings"][0], r["warnings"]
+        assert r["read"] > lazy[0]["MixtralForCausalLM"]["read"]  # the fallback reads whole experts
+
+
+def test_a_conversion_that_cannot_be_sliced_falls_back_with_a_warning(ranks, tmp_path):
+    """q, k, v stored as one tensor and chunked by a transformers conversion (three targets, each split
+    its own way): converted whole, sliced, the same bits as transformers + apply."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.for_model("llama", **{**verify.resolve("llama").mapping.verify[0].config,
+                                              "num_key_value_heads": 12})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(config.num_hidden_layers):
+        attn = f"model.layers.{layer}.self_attn."
+        tensors[attn + "qkv_proj.weight"] = torch.cat([tensors.pop(attn + f"{x}_proj.weight") for x in "qkv"])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for r in ranks(2).run(cases.fused_qkv, str(tmp_path)):
+        assert r["differ"] == [] and r["info_equal"], (r["differ"][:3], r["info"])
+        assert len(r["warnings"]) == 1 and "Chunk" in r["warnings"][0]
+
+
+def test_tied_weights_stored_twice_with_different_values_stay_untied(ranks, tmp_path):
+    """transformers unties a pair the config ties when the checkpoint holds both with different values."""
+    model = verify.build_model("gpt2", 0, "GPT2LMHeadModel")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)  # no longer the embedding
+    model.save_pretrained(tmp_path)
+    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(tmp_path), ["GPT2LMHeadModel"]):
+        r = results["GPT2LMHeadModel"]
+        assert r["differ"] == [] and r["ties_equal"], r["differ"][:3]
+
+
+def test_legacy_names_load_renamed_and_save_back_as_they_were(ranks, tmp_path):
+    """transformers' legacy renames (LayerNorm.gamma -> .weight) load; saving after tpmap.from_pretrained
+    reverts them as transformers' save does after its from_pretrained."""
+    folder = tmp_path / "legacy"
+    verify.build_model("bert", 0, "BertModel").save_pretrained(folder)
+    _rewrite(folder, lambda k: k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                                         "LayerNorm.beta"))
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(folder), ["BertModel"]):
+        assert results["BertModel"]["differ"] == [] and results["BertModel"]["info_equal"]
+    ranks(2).run(cases.load_and_save, str(folder), str(tmp_path / "ours"), "BertModel")
+    transformers.BertModel.from_pretrained(folder).save_pretrained(tmp_path / "theirs")
+    names = set(load_file(tmp_path / "ours" / "model.safetensors"))
+    assert any("gamma" in n for n in names)
+    assert _read(tmp_path / "ours", "model.safetensors") == _read(tmp_path / "theirs", "model.safetensors")
+
+
+def test_key_mapping_renames_as_in_transformers(ranks, tmp_path):
+    verify.build_model("llama", 0, "LlamaForCausalLM").save_pretrained(tmp_path)
+    _rewrite(tmp_path, lambda k: k.replace("model.", "decoder.", 1))
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(tmp_path), ["LlamaForCausalLM"],
+                                key_mapping={r"^decoder\.": "model."}):
+        r = results["LlamaForCausalLM"]
+        assert r["differ"] == [] and r["info_equal"] and not r["info"]["missing_keys"], r["info"]
+
+
+# -- bad input: a clear error on every rank, before any collective ---------------------------------------
+def _sharded(tmp_path: Path) -> Path:
+    folder = tmp_path / "llama"
+    verify.build_model("llama", 0, "LlamaForCausalLM").save_pretrained(folder, max_shard_size="64KB")
+    return folder
+
+
+def _drop_a_shard(folder: Path) -> str:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = sorted(set(index["weight_map"].values()))[1]
+    os.remove(folder / name)
+    return name
+
+
+def _index_a_missing_tensor(folder: Path) -> str:
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"]["model.layers.0.mlp.gate_proj.weight_extra"] = index["weight_map"]["model.embed_tokens.weight"]
+    path.write_text(json.dumps(index))
+    return "model.layers.0.mlp.gate_proj.weight_extra"
+
+
+def _config_disagrees(folder: Path) -> str:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["intermediate_size"] //= 2
+    path.write_text(json.dumps(config))
+    return "model.layers.0.mlp.down_proj.weight"  # the first tensor whose shape the config changes
+
+
+def _truncate(folder: Path) -> str:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = sorted(set(index["weight_map"].values()))[-1]
+    with open(folder / name, "r+b") as f:
+        f.truncate(os.path.getsize(folder / name) - 100)
+    return name
+
+
+def _bin_only(folder: Path) -> str:
+    state = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    for f in folder.glob("model*.safetensors*"):
+        os.remove(f)
+    torch.save(state, folder / "pytorch_model.bin")
+    return "pytorch_model.bin"
+
+
+BAD = {  # how to break a good folder -> (error type, what the message must name besides the returned name)
+    "missing shard file": (_drop_a_shard, "CheckpointError", ["model.safetensors.index.json", "incomplete"]),
+    "index names a missing tensor": (_index_a_missing_tensor, "CheckpointError", ["has no such tensor"]),
+    "shape disagrees with the config": (_config_disagrees, "CheckpointError", [".safetensors:", "[96, 192]",
+                                                                                "[96, 96]", "config.json"]),
+    "truncated file": (_truncate, "CheckpointError", ["truncated", "tensor "]),
+    ".bin-only checkpoint": (_bin_only, "CheckpointError", ["safetensors", "save_pretrained"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_the_same_clear_error_on_every_rank(ranks, tmp_path, case):
+    break_it, error, words = BAD[case]
+    folder = _sharded(tmp_path)
+    named = break_it(folder)
+    results = ranks(2).run(cases.load_error, str(folder), timeout=120)
+    assert results[0] == results[1], results  # the same error on both ranks, and neither hung
+    kind, message = results[0]["error"]
+    assert kind == error, message
+    assert named in message and all(w in message for w in words), message
+
+
+def test_a_model_type_without_a_mapping(ranks, tmp_path):
+    from transformers import AutoConfig, OPTForCausalLM
+
+    OPTForCausalLM(AutoConfig.for_model("opt", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                        ffn_dim=64, vocab_size=64, word_embed_proj_dim=32)).save_pretrained(tmp_path)
+    results = ranks(2).run(cases.load_error, str(tmp_path), timeout=120)
+    assert results[0] == results[1]
+    assert results[0]["error"][0] == "UnknownModelTypeError" and "'opt'" in results[0]["error"][1]
+
+
+def test_a_rank_failing_while_reading_makes_every_rank_raise(ranks, tmp_path):
+    folder = _sharded(tmp_path)
+    results = ranks(2).run(cases.fails_on_one_rank, str(folder), timeout=120)
+    assert results[1]["error"][0] == "OSError" and "simulated read error" in results[1]["error"][1]
+    assert results[0]["error"][0] == "LoadError" and "another rank" in results[0]["error"][1]
+
+
+def test_arguments_that_place_weights_another_way_are_refused(checkpoint):
+    with pytest.raises(TypeError, match="device=") as e:
+        tpmap.from_pretrained(checkpoint("llama"), device_map="auto")
+    assert "device_map" in str(e.value)
+
+
+def test_the_progress_bar_shows_only_on_rank_0_a_terminal_and_with_transformers_bars_on():
+    from transformers.utils import logging as hf_logging
+
+    from tpmap.loading import _progress
+
+    assert _progress(1, "x").disable  # other ranks
+    assert _progress(0, "x").disable  # pytest's stderr is not a terminal
+    hf_logging.disable_progress_bar()
+    try:
+        assert isinstance(_progress(0, "x"), hf_logging.EmptyTqdm)
+    finally:
+        hf_logging.enable_progress_bar()

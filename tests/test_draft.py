@@ -1,0 +1,176 @@
+"""`tpmap draft`: drafts of plain layouts verify unedited on real ranks; every draft passes the schema;
+layouts that shapes cannot tell are flagged, never guessed silently."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from tpmap import draft, loader, verify
+from tpmap.errors import DraftError
+from tpmap.lint import lint_file
+
+# plain layouts (separate q/k/v or head-major, plain MLPs) without a shipped mapping: decoders (a
+# parallel attention + MLP block, head-major fused qkv), BERT-style encoders (nested attention scopes,
+# layer-shared weights), encoder-decoders with cross attention, a text tower
+PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta", "xlm-roberta", "camembert",
+         "electra", "megatron-bert", "distilbert", "albert", "roformer", "deberta-v2", "mbart", "m2m_100",
+         "clip_text_model"]
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """model type -> path of its draft, written once for the module."""
+    folder = tmp_path_factory.mktemp("drafts")
+    out = {}
+    for model_type in PLAIN:
+        out[model_type] = folder / f"{model_type}.yaml"
+        out[model_type].write_text(draft.draft(model_type), encoding="utf-8")
+    return out
+
+
+def run(ranks, case: verify.Case) -> verify.Result:
+    return verify.judge(case, ranks(case.world_size).run(verify.forward_case, case.ref, case.verify_index,
+                                                         case.class_name))
+
+
+def test_plain_drafts_are_not_in_the_shipped_mappings():
+    assert len(PLAIN) >= 15 and not set(PLAIN) & set(loader.shipped_files())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("model_type", PLAIN)
+def test_a_plain_draft_verifies_unedited(ranks, drafts, model_type, world_size):
+    """Forward on real gloo ranks against the unsharded model, the draft exactly as written."""
+    cases = verify.cases([str(drafts[model_type])], [world_size])
+    assert [c.world_size for c in cases] == [world_size], f"the draft claims no world size {world_size}"
+    result = run(ranks, cases[0])
+    assert result.passed, result.error
+    assert result.params_local < result.params_full  # something really was split
+
+
+@pytest.mark.parametrize("model_type", PLAIN)
+def test_a_plain_draft_passes_the_whole_lint(drafts, model_type):
+    assert lint_file(str(drafts[model_type])) == []
+    todos = [line for line in drafts[model_type].read_text().splitlines() if "TODO:" in line]
+    assert all("fused q/k/v" in line for line in todos), todos  # head-major query_key_value: flagged, right
+
+
+# and drafts that once rendered broken YAML or stretch the renderer: an empty nested config (mpt), nested
+# encoder/decoder configs (t5gemma), a plan with MoE and latent attention (deepseek_v3), ModuleDict experts
+@pytest.mark.parametrize("model_type", list(loader.shipped_files()) + ["mpt", "t5gemma", "deepseek_v3",
+                                                                      "switch_transformers"])
+def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
+    text = draft.draft(model_type)
+    loaded = loader.load_text(text, f"{model_type}.yaml")  # raises MappingErrors on any schema problem
+    assert loaded.mapping.model_type == model_type
+    spec = loaded.mapping.verify[0]
+    cls = getattr(transformers, spec.models[0])
+    assert cls.config_class.model_type == model_type
+    layers = draft.real_key(cls.config_class(), "num_hidden_layers")
+    tiny = spec.config if layers in spec.config else next(v for v in spec.config.values() if isinstance(v, dict))
+    assert tiny[layers] <= 2  # (a nested config's, for encoder-decoders built of two configs)
+
+
+def entry_notes(text: str, module: str) -> str:
+    """The comment lines right above the entry for `module`."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip() == f"module: {module}") - 1  # the '- kind:' line
+    notes = []
+    while lines[at - 1].lstrip().startswith("#"):
+        at -= 1
+        notes.insert(0, lines[at].strip())
+    return " ".join(notes)
+
+
+def test_a_fused_qkv_gets_a_todo_not_a_silent_guess():
+    text = draft.draft("gpt2")  # c_attn: Conv1D [in, out] holding q, k and v: 3 x the q width
+    notes = entry_notes(text, "h.*.attn.c_attn")
+    assert "TODO" in notes and "combined_qkv" in notes and "head-major" in notes
+    loaded = loader.load_text(text, "gpt2.yaml").mapping
+    c_attn = next(e for e in loaded.entries if e.module == "h.*.attn.c_attn")
+    assert c_attn.reverse and c_attn.heads == "n_head"
+
+
+def test_fused_gate_up_and_unequal_qkv_get_todos():
+    text = draft.draft("modernbert")  # no base_model_tp_plan: Wqkv [q|k|v] and Wi [input|gate] fused
+    assert "TODO" in entry_notes(text, "layers.*.attn.Wqkv")
+    wi = entry_notes(text, "layers.*.mlp.Wi")
+    assert "TODO" in wi and "gate | up" in wi
+    model = build("phi3", num_key_value_heads=4)  # qkv_proj registered after o_proj: order does not matter
+    entries, _ = draft.analysis_entries(draft.blocks_of(model.model), 96, model.config, names(model.model))
+    qkv = next(e for e in entries if e.module == "layers.*.self_attn.qkv_proj")
+    assert qkv.kind == "Column" and qkv.fields["combined_qkv"] and "TODO" in qkv.notes[0]
+    assert [s["heads"] for s in qkv.fields["sections"]] == ["num_attention_heads", "num_key_value_heads",
+                                                           "num_key_value_heads"]
+    assert next(e for e in entries if e.module == "layers.*.self_attn.o_proj").kind == "Row"
+
+
+def build(model_type: str, **overrides):
+    config, tiny, _ = draft.tiny_config(model_type)
+    config = transformers.AutoConfig.for_model(model_type, **{**tiny, **overrides})
+    return draft.build_meta(draft.model_class(model_type, config), config)
+
+
+def names(base) -> list[str]:
+    return [n for n, _ in base.named_modules() if n]
+
+
+def test_base_model_tp_plan_styles_are_translated():
+    text = draft.draft("olmo3")  # q/k/v colwise_gather_output, o_proj rowwise_split_input
+    mapping = loader.load_text(text, "olmo3.yaml").mapping
+    by_module = {e.module: e for e in mapping.entries}
+    assert by_module["layers.*.self_attn.q_proj"].gather_output
+    assert "layers.*.self_attn.o_proj" in mapping.replicated and "layers.*.self_attn.o_proj" not in by_module
+    assert by_module["layers.*.mlp.down_proj"].kind == "Row"
+    qwen3 = loader.load_text(draft.draft("qwen3"), "qwen3.yaml").mapping
+    assert qwen3.grad_allreduce == ["layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"]
+    mixtral = draft.draft("mixtral")
+    assert "TODO: base_model_tp_plan: layers.*.mlp.experts is moe_tp_experts" in " ".join(mixtral.split())
+    assert "Param" in mixtral and "Reduce" in mixtral
+
+
+def test_updates_hold_on_the_default_config_too():
+    """An attribute whose value only coincides with a split size in the tiny config gets no update:
+    Phi's rotary_ndims equals its KV head count in the default config and in the tiny one."""
+    text = draft.draft("phi")
+    assert "rotary_ndims" not in text
+    gpt2 = loader.load_text(draft.draft("gpt2"), "gpt2.yaml").mapping
+    update = next(e for e in gpt2.entries if e.kind == "Update")
+    assert update.attributes == {"embed_dim": "n_embd // tp_size", "num_heads": "n_head // tp_size",
+                                 "split_size": "n_embd // tp_size"}
+    model = build("phi3")
+    attention = model.model.layers[0].self_attn  # reads self.config.num_attention_heads in forward
+    found = draft.attribute_candidates(attention, {12: ["num_attention_heads // tp_size"]})
+    assert found["config.num_attention_heads"] == ["num_attention_heads // tp_size"]
+
+
+def test_world_sizes_are_where_the_planner_accepts_the_draft():
+    mapping = loader.load_text(draft.draft("mistral"), "mistral.yaml").mapping  # 32 heads, 8 KV heads
+    assert mapping.world_sizes == [1, 2, 4, 8, 16, 32]
+    assert mapping.verify[0].world_sizes == [1, 2, 4]  # tiny: 12 heads but 4 KV heads, which 3 cannot split
+
+
+def test_an_unknown_model_type_is_a_draft_error_that_suggests():
+    with pytest.raises(DraftError, match="did you mean mistral"):
+        draft.draft("mistrall")
+
+
+def test_cli_writes_the_draft(tmp_path):
+    out = tmp_path / "helium.yaml"
+    done = subprocess.run([sys.executable, "-m", "tpmap", "draft", "helium", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stderr and loader.load_file(out).mapping.model_type == "helium"
+    bad = subprocess.run([sys.executable, "-m", "tpmap", "draft", "no_such_type"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "is not a model_type" in bad.stderr and not bad.stdout
+
+
+def test_a_model_that_does_not_build_is_a_draft_error_naming_its_error():
+    with pytest.raises(DraftError, match=r"building MobileBertForMaskedLM from the tiny config failed: RuntimeError"):
+        draft.draft("mobilebert")  # its bottleneck widths do not follow the tiny hidden size
+    with pytest.raises(DraftError, match="found no Column/Row pair"):
+        draft.draft("resnet")  # convolutions only: nothing a Column/Row pairs

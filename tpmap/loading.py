@@ -1,0 +1,297 @@
+"""`tpmap.from_pretrained`: a tensor-parallel model straight from a checkpoint folder, every rank reading
+only its own slices.
+
+The steps mirror transformers' `from_pretrained` and reuse its parts (config, dtype, the model built on
+the meta device under its init context, the conversion mapping, tying, initializing missing weights,
+the loading report, the generation config); only the reading differs:
+
+1. open the folder (`tpmap.checkpoint`): every file's header is checked, nothing read yet;
+2. build the model on the meta device, match checkpoint names to model tensors (`tpmap.conversion`)
+   and check every shape; tie weights; build the plan (`engine.plan.build`, every mapping check);
+   up to here every bad input raises on every rank alike, before any collective;
+3. materialize and initialize what the checkpoint lacks (missing weights, non-persistent buffers such
+   as rotary ``inv_freq``) on the full-size model exactly as transformers does, so random init and
+   computed buffers equal those of a fully loaded model;
+4. read the tensors that stay whole, then execute the plan (`tpmap.api.install`) with a reader that
+   reads each split tensor's slice for this rank from the file instead of slicing a loaded tensor;
+5. agree: one all-reduce of a failure flag, so a rank that failed while reading makes every rank raise.
+
+The result equals ``tpmap.apply(AutoModel...from_pretrained(path), world_size)`` bit for bit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import api, conversion
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, LoadError
+
+# transformers' from_pretrained arguments that place, quantize or supply weights some other way
+_NOT_HERE = {
+    "device_map": "pass device=... (this rank's device)", "max_memory": "tpmap places each rank's slices itself",
+    "offload_folder": "tpmap does not offload", "offload_buffers": "tpmap does not offload",
+    "tp_plan": "tpmap's mapping is the plan", "tp_size": "pass world_size=...", "distributed_config": "pass group=...",
+    "device_mesh": "pass group=...", "quantization_config": "quantized checkpoints are not supported",
+    "gguf_file": "tpmap reads safetensors", "state_dict": "load the state dict with apply() instead",
+    "use_safetensors": "tpmap reads safetensors only", "ignore_mismatched_sizes": "mismatched shapes are errors",
+    "adapter_kwargs": "adapters are not supported", "adapter_name": "adapters are not supported",
+    "use_kernels": "hub kernels are not supported", "kernel_config": "hub kernels are not supported",
+    "cache_dir": "tpmap reads a local folder", "revision": "tpmap reads a local folder",
+    "force_download": "tpmap reads a local folder", "token": "tpmap reads a local folder",
+}
+
+
+def from_pretrained(path, *, world_size: int | None = None, group=None, model_class=None, dtype=None, device=None,
+                    mapping=None, loss_parallel: bool = False, check_inputs: bool = True, **hf_kwargs):
+    """Load a tensor-parallel model from a local transformers checkpoint folder, on every rank.
+
+    Each rank reads only its slices of the safetensors files (single-file or sharded with
+    ``model.safetensors.index.json``), casts them to `dtype` and puts them on `device`; the result equals
+    ``tpmap.apply(<class>.from_pretrained(path), world_size)``, parameter for parameter.
+
+    * ``model_class``: a transformers model class, its name, or an Auto class (default: the first of
+      ``config.architectures``).
+    * ``dtype``: as transformers' (default ``"auto"``: the config's dtype).
+    * ``device``: where this rank's tensors go, e.g. ``f"cuda:{local_rank}"`` (default: CPU).
+    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``: as `tpmap.apply`.
+    * ``hf_kwargs``: what transformers' `from_pretrained` takes for a local folder: config overrides,
+      ``attn_implementation``, ``experts_implementation``, ``key_mapping``, ``variant``, ``subfolder``,
+      ``generation_config``, ``trust_remote_code``, ``output_loading_info`` (then returns
+      ``(model, info)``, info as transformers': missing, unexpected, mismatched keys, error messages).
+
+    Example (under ``torchrun --nproc-per-node 4``)::
+
+        dist.init_process_group("nccl")
+        model = tpmap.from_pretrained("path/to/Llama-3-8B", dtype=torch.bfloat16,
+                                      device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
+    """
+    import transformers.modeling_utils as hf_modeling
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils import ContextManagers
+    from transformers.utils.loading_report import LoadStateDictInfo, log_state_dict_report
+
+    from tpmap.engine import plan as planning
+    from tpmap.engine.shard import take
+
+    tp_size, tp_rank = api.resolve_group(world_size, group)
+    kwargs = dict(hf_kwargs)
+    refused = sorted(k for k in kwargs if k in _NOT_HERE)
+    if refused:
+        raise TypeError("tpmap.from_pretrained does not take " + "; ".join(f"{k} ({_NOT_HERE[k]})" for k in refused))
+    if "torch_dtype" in kwargs:  # transformers' older name
+        dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+    for name in ("mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict"):
+        kwargs.pop(name, None)  # transformers ignores these too
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    key_mapping = kwargs.pop("key_mapping", None)
+    variant = kwargs.pop("variant", None)
+    generation_config = kwargs.pop("generation_config", None)
+    trust_remote_code = kwargs.pop("trust_remote_code", None)
+    implementations = {k: kwargs.pop(k) for k in ("attn_implementation", "experts_implementation") if k in kwargs}
+    folder = Path(path) / kwargs.pop("subfolder", "")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+
+    checkpoint = Checkpoint.open(folder, variant)
+    config, cls, model_kwargs = _config_and_class(folder, model_class, kwargs, trust_remote_code)
+    for key, value in implementations.items():
+        setattr(config, f"_{key}", value)
+    config, dtype = hf_modeling._get_dtype("auto" if dtype is None else dtype, checkpoint.paths, config,
+                                           checkpoint.metadata, None, True, None)
+    with ContextManagers(cls.get_init_context(dtype, False, False, False)):
+        model = cls(config, **model_kwargs)
+        patch_output_recorders(model)
+    loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
+    conversions = get_model_conversion_mapping(model, key_mapping, None)
+    sources, unexpected = conversion.match(model, checkpoint, conversions)
+    dtype_of = _dtypes(model, dtype)
+
+    progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
+    reader = conversion.Reader(model, sources, dtype_of, device, progress)
+    _tie(model, reader, hf_modeling.logger)
+    plan = planning.build(model, loaded, tp_size)
+    api.check_loss_parallel(plan, loaded, model, loss_parallel)
+    missing = _missing(model, sources)
+
+    def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
+        if full.device.type != "meta":  # initialized here (missing from the checkpoint) or a computed buffer
+            return take(full, shard, rank)
+        name = next((n for n in (shard.name, *shard.aliases) if n in sources), None)
+        assert name is not None, f"{shard.name} is on meta but neither in the checkpoint nor initialized"
+        return reader.local(name, shard, rank)
+
+    failure = None
+    try:
+        _initialize_missing(model, missing, device)
+        progress.total = _load_whole(model, plan if tp_size > 1 else None, tp_rank, reader, sources)
+        if tp_size > 1:
+            api.install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs, read=read)
+        _check_materialized(model)
+    except Exception as e:  # every rank must learn of it (below) before raising, or the others would hang later
+        failure = e
+    finally:
+        progress.close()
+        checkpoint.close()
+    _agree(failure, tp_size, group, device)
+
+    model._weight_conversions = [c for c in conversions if c.was_used()]  # save_pretrained reverts these
+    info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
+                             conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
+    model._adjust_missing_and_unexpected_keys(info)
+    if tp_rank == 0:
+        log_state_dict_report(model=model, pretrained_model_name_or_path=str(folder), ignore_mismatched_sizes=False,
+                              loading_info=info, logger=hf_modeling.logger)
+    model.eval()
+    if model.can_generate() and hasattr(model, "adjust_generation_fn"):
+        model.adjust_generation_fn(generation_config, False, None, str(folder), cache_dir=None, force_download=False,
+                                   proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
+                                   trust_remote_code=trust_remote_code, **kwargs)
+    return (model, info.to_dict()) if output_loading_info else model
+
+
+def _config_and_class(folder: Path, model_class, kwargs: dict, trust_remote_code):
+    """(config, model class, the kwargs the config did not take: for the model's constructor)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json; tpmap.from_pretrained needs the model folder as "
+                              "save_pretrained writes it (config.json and safetensors files)")
+    config, rest = AutoConfig.from_pretrained(folder, return_unused_kwargs=True, trust_remote_code=trust_remote_code,
+                                              **kwargs)
+    if isinstance(model_class, str):
+        name = model_class
+        model_class = getattr(transformers, name, None)
+        if model_class is None:
+            raise CheckpointError(f"model_class={name!r} is not a transformers class")
+    if model_class is None:
+        names = list(getattr(config, "architectures", None) or [])
+        model_class = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+        if model_class is None:
+            raise CheckpointError(f"{folder}/config.json names no transformers model class (architectures: {names}); "
+                                  "pass model_class=, e.g. transformers.AutoModelForCausalLM")
+    if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
+        model_class = _get_model_class(config, model_class._model_mapping)
+    return config, model_class, rest
+
+
+def _dtypes(model: nn.Module, dtype: torch.dtype):
+    """name -> the dtype transformers loads it in: the model's (built in `dtype`), or a keep-in-fp32 rule's."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    built = {k: v.dtype for k, v in model.state_dict().items()}
+    plan = model._get_dtype_plan(dtype)
+    if not plan:
+        return built.__getitem__
+    pattern, groups, _ = build_glob_alternation(list(plan))
+
+    def dtype_of(name: str) -> torch.dtype:
+        hit = pattern.search(name)
+        return plan[groups[hit.lastgroup]] if hit else built[name]
+
+    return dtype_of
+
+
+def _tie(model: nn.Module, reader: conversion.Reader, hf_logger) -> None:
+    """Tie weights on the meta model as transformers' tie_weights does after loading: a pair the checkpoint
+    holds twice with different values stays untied (with transformers' warning)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for target, source in list(tied.items()):
+        if target in reader.sources and source in reader.sources and not conversion.equal(reader, source, target):
+            hf_logger.warning(
+                f"The tied weights mapping and config for this model specifies to tie {source} to {target}, but both "
+                "are present in the checkpoints with different values, so we will NOT tie them. You should update the "
+                "config with `tie_word_embeddings=False` to silence this warning.")
+            tied.pop(target)
+    model.tie_weights(recompute_mapping=False)
+
+
+def _holders(model: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Every parameter and buffer once, with all its names (tied tensors have several)."""
+    by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(t), (t, []))[1].append(name)
+    return list(by_id.values())
+
+
+def _missing(model: nn.Module, sources: dict) -> set[str]:
+    """State-dict keys the checkpoint does not give, as transformers counts them after tying: a tied
+    tensor is not missing when one of its names is in the checkpoint."""
+    state = set(model.state_dict())
+    missing = set()
+    for _, names in _holders(model):
+        if not any(n in sources for n in names):
+            missing.update(n for n in names if n in state)
+    return missing
+
+
+def _initialize_missing(model: nn.Module, missing: set[str], device: torch.device) -> None:
+    """transformers' own steps, on the full-size model: what the checkpoint gives stays on meta (marked
+    loaded); missing tensors and non-persistent buffers are materialized on `device` and initialized."""
+    for t, names in _holders(model):
+        if not any(n in missing for n in names):
+            t._is_hf_initialized = True
+    model._move_missing_keys_from_meta_to_device(missing, {"": device}, None, None)
+    model._initialize_missing_keys(False)
+    model.tie_weights(recompute_mapping=False)  # materializing replaced tied tensors; tie them again
+
+
+def _load_whole(model: nn.Module, plan, rank: int, reader: conversion.Reader, sources: dict) -> int:
+    """Read every tensor that stays whole on this rank into the model; return how many tensors this
+    rank reads in all (these and the split ones, read later by the plan)."""
+    split: set[str] = set()
+    dropped: tuple[str, ...] = ()
+    if plan is not None:
+        for shard in plan.params.values():
+            split.update((shard.name, *shard.aliases))
+        dropped = tuple(f"{t.name}.{i}." for t in plan.tensors if t.holder == "modules"
+                        for i in range(t.full_shape[0]) if i not in t.indices(rank))
+    count = 0
+    for t, names in _holders(model):
+        if t.device.type != "meta":
+            continue  # initialized here
+        if dropped and all(n.startswith(dropped) for n in names):
+            continue  # in an item of a ModuleList that another rank keeps
+        count += 1
+        if any(n in split for n in names):
+            continue  # read by the plan
+        name = next((n for n in names if n in sources), None)
+        assert name is not None, f"{names[0]} is neither in the checkpoint nor initialized"
+        value = reader.whole(name)
+        new = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+        for n in names:
+            owner, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+    return count
+
+
+def _check_materialized(model: nn.Module) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    assert not left, f"tensors left on the meta device after loading: {left[:5]}"
+
+
+def _agree(failure: Exception | None, tp_size: int, group, device: torch.device) -> None:
+    """Every rank learns whether any rank failed while reading; a rank that failed raises its error,
+    the others a LoadError, so none goes on to wait in a collective that a failed rank never joins."""
+    if tp_size > 1:
+        on = device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        flag = torch.tensor([0 if failure is None else 1], device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if failure is None and flag.item():
+            raise LoadError("tpmap.from_pretrained failed on another rank (its error says why); this rank's model is "
+                            "incomplete there, so it is not returned")
+    if failure is not None:
+        raise failure
+
+
+def _progress(rank: int, desc: str):
+    """A tqdm bar on rank 0 for loads over a few seconds; silent when stderr is not a terminal, on other
+    ranks, and when transformers' progress bars are disabled."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.tqdm(total=0, desc=desc, unit="tensor", disable=True if rank else None, delay=2.0)
