@@ -2,7 +2,7 @@
 
 The draft is a start, never a proof: `tpmap verify` proves it. How it is made, top to bottom:
 
-1. A tiny config (`tiny_config`): the model type's default config with its sizes cut down by key name
+1. A tiny config (`tiny_model`): the model type's default config with its sizes cut down by key name
    (hidden 96, 12 heads, 4 KV heads where the config has them, head_dim 8, intermediate 192, 2 layers,
    vocabulary 256, 64 positions). It becomes the draft's `verify` config.
 2. The most useful class (`model_class`: seq2seq LM for encoder-decoders, masked LM, causal LM, base
@@ -143,18 +143,20 @@ def _token_id(key: str, value):
     return value if value < TINY["vocab"] else SPECIAL_TOKENS.get(key, 3)
 
 
-TINY_LEVELS = (  # (reduce layers, cut widths, note): tried in order until the config accepts them
+TINY_LEVELS = (  # (reduce layers, cut widths, note): tried in order until the config and the model build
     (True, True, ""),
-    (False, True, "the config rejects 2 layers ({}); the verify config keeps the default layer count"),
-    (True, False, "the config rejects the tiny widths ({}); the verify config keeps the default widths and "
-                  "head counts, so it is larger: cut them by hand where the config allows"),
+    (False, True, "with 2 layers the config or the model fails ({}); the verify config keeps the default layer "
+                  "count"),
+    (True, False, "with the tiny widths the config or the model fails ({}); the verify config keeps the default "
+                  "widths and head counts, so it is larger: cut them by hand where the model allows"),
 )
 
 
-def tiny_config(model_type: str, patch: dict | None = None):
-    """(tiny config, its overrides, notes). `patch`: values the default config lacks to build at all (a
-    shipped mapping's `default_config`); they are part of the overrides. Where the config rejects the
-    tiny sizes, the layer count, then the widths keep their defaults (TINY_LEVELS), with a note."""
+def tiny_model(model_type: str, patch: dict | None = None):
+    """(tiny config, its overrides, notes, model class, the model on the meta device). `patch`: values the
+    default config lacks to build at all (a shipped mapping's `default_config`); they are part of the
+    overrides. Where the config or the model fails with the tiny sizes, the layer count, then the widths
+    keep their defaults (TINY_LEVELS), with a note; where all fail, a DraftError names the first failure."""
     import transformers
     from transformers import AutoConfig
 
@@ -174,10 +176,16 @@ def tiny_config(model_type: str, patch: dict | None = None):
         try:
             config = AutoConfig.for_model(model_type, **overrides)
         except Exception as e:  # a config class rejecting the sizes: the next level, then reported
-            failures.append(f"{type(e).__name__}: {str(e).strip()}")
+            failures.append(f"the tiny config of {model_type!r} is rejected: {type(e).__name__}: {str(e).strip()}")
             continue
-        return config, overrides, [note.format(failures[0])] if note else []
-    raise DraftError(f"the tiny config of {model_type!r} is rejected: {failures[0]}")
+        cls = model_class(model_type, config)
+        try:
+            model = build_meta(cls, config)
+        except DraftError as e:  # the model failing on the sizes: the next level, then reported
+            failures.append(str(e))
+            continue
+        return config, overrides, [note.format(failures[0])] if note else [], cls, model
+    raise DraftError(failures[0])
 
 
 def merged(base: dict, over: dict) -> dict:
@@ -837,19 +845,29 @@ def supported_world_sizes(model, loaded, candidates) -> list[int]:
 
 # -- 7. the YAML text -----------------------------------------------------------------------------
 WIDTH = 110
+YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}  # plain, YAML reads them as non-strings
 
 
 def scalar(value) -> str:
+    """YAML for a value of a draft (flow style), read back by YAML as the same value and type."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}[repr(value)]
+        mantissa, e, exponent = repr(value).partition("e")
+        return (mantissa if "." in mantissa else mantissa + ".0") + (f"e{int(exponent):+03d}" if e else "")
     if isinstance(value, list):
         return "[" + ", ".join(scalar(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {scalar(v)}" for k, v in value.items()) + "}"
     text = str(value)
-    return text if re.fullmatch(r"[A-Za-z_][\w.*/ ()+-]*(?<! )", text) else '"' + text.replace('"', '\\"') + '"'
+    plain = re.fullmatch(r"[A-Za-z_][\w.*/ ()+-]*(?<! )", text) and text.lower() not in YAML_WORDS
+    return text if plain else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def comment(notes: list[str], indent: str) -> list[str]:
@@ -945,9 +963,7 @@ def draft(model_type: str) -> str:
     import transformers
 
     patch = shipped_patch(model_type)
-    config, overrides, notes = tiny_config(model_type, patch)
-    cls = model_class(model_type, config)
-    model = build_meta(cls, config)
+    config, overrides, notes, cls, model = tiny_model(model_type, patch)
     default, default_note = default_model(model_type, cls, patch)
     blocks = blocks_of(model.base_model)
     if not blocks:
