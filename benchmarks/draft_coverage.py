@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "shared" / "ARCHITECTURES.md"
+MAX_PARAMETERS = 50_000_000  # per verify model: it is built on every rank and once more on failure
 
 
 def model_types(path: Path) -> list[str]:
@@ -50,6 +51,12 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
     except TpmapError as e:
         return "does not load", str(e).splitlines()[0]
     spec = mapping.verify[0]
+    try:
+        size = verify_parameters(mapping)
+    except Exception as e:  # the verify model does not build: that is the result
+        return "fails verify", f"the verify model does not build: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if size > MAX_PARAMETERS:  # a draft that kept default widths: too large to build on every rank here
+        return "fails verify", f"the verify config builds {size:,} parameters, more than {MAX_PARAMETERS:,}: not run"
     if world_size not in spec.world_sizes:
         return "fails verify", f"the draft's verify world sizes {spec.world_sizes} lack {world_size}"
     case = verify.Case(str(path), model_type, 0, spec.name, spec.models[0], world_size)
@@ -59,6 +66,17 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
         last = e.summary().splitlines()
         return "fails verify", unsharded_problem(case) + (last[1].strip() if len(last) > 1 else last[0])
     return ("verified", f"rel {result.rel_diff:.1e}") if result.passed else ("fails verify", result.error)
+
+
+def verify_parameters(mapping) -> int:
+    """Parameters of the draft's first verify model, counted on the meta device (no memory)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(mapping.model_type, **mapping.verify[0].config)
+    with torch.device("meta"):
+        model = getattr(transformers, mapping.verify[0].models[0])(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def unsharded_problem(case) -> str:
