@@ -171,6 +171,19 @@ def _floating(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
+def _on_output(module: nn.Module, op, kind: str) -> None:
+    """Apply `op` to the module's output (a tensor, or the first tensor of a tuple) in a forward hook."""
+    def hook(_, args, output):
+        if isinstance(output, torch.Tensor):
+            return op(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (op(output[0]),) + output[1:]
+        raise TypeError(f"{type(module).__name__} under a {kind} entry returned {type(output).__name__}; "
+                        f"{kind} takes a tensor output (or the first tensor of a tuple)")
+
+    module.register_forward_hook(hook)
+
+
 def _reduce_output(module: nn.Module, group) -> None:
     """Reduce: floating inputs enter the TP region (gradient all-reduced), the output is summed."""
     def enter(_, args, kwargs):
@@ -178,29 +191,13 @@ def _reduce_output(module: nn.Module, group) -> None:
         kwargs = {k: copy_to_tp_region(v, group) if _floating(v) else v for k, v in kwargs.items()}
         return args, kwargs
 
-    def leave(_, args, output):
-        if isinstance(output, torch.Tensor):
-            return reduce_from_tp_region(output, group)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (reduce_from_tp_region(output[0], group),) + output[1:]
-        raise TypeError(f"{type(module).__name__} under a Reduce entry returned {type(output).__name__}; "
-                        "Reduce sums a tensor output (or the first tensor of a tuple)")
-
     module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave)
+    _on_output(module, lambda y: reduce_from_tp_region(y, group), "Reduce")
 
 
 def _enter_output(module: nn.Module, group) -> None:
-    """Enter: the output (a tensor, or the first of a tuple) passes copy_to_tp_region."""
-    def enter(_, args, output):
-        if isinstance(output, torch.Tensor):
-            return copy_to_tp_region(output, group)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (copy_to_tp_region(output[0], group),) + output[1:]
-        raise TypeError(f"{type(module).__name__} under an Enter entry returned {type(output).__name__}; "
-                        "Enter takes a tensor output (or the first tensor of a tuple)")
-
-    module.register_forward_hook(enter)
+    """Enter: the output passes copy_to_tp_region (identity forward, gradient all-reduced)."""
+    _on_output(module, lambda y: copy_to_tp_region(y, group), "Enter")
 
 
 def _slice_input(module: nn.Module, spec: InputSlice, rank: int) -> None:
