@@ -109,6 +109,7 @@ class Plan:
     reduces: tuple[str, ...] = ()  # modules whose output is all-reduced (Reduce entries)
     inputs: tuple[InputSlice, ...] = ()  # forward arguments sliced by heads (Input entries)
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
+    kept_whole: tuple[tuple[str, str, int], ...] = ()  # (pattern, reason, modules matched): a partial mapping
 
     @property
     def params(self) -> dict[str, ParamShard]:
@@ -257,8 +258,10 @@ def build(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[Tp
                                                p.prefix)
     except TpmapError as e:
         p.fail(e)
+    kept_whole = tuple((k.module, k.reason, len(match(k.module, p.names))) for k in loaded.mapping.kept_whole)
     return Plan(loaded.mapping.model_type, tp_size, p.prefix, tuple(p.shards), tuple(p.updates), loaded.source.path,
-                tuple(dict.fromkeys(grad_allreduce)), tuple(p.tensors), tuple(p.reduces), tuple(p.inputs), tuple(p.enters))
+                tuple(dict.fromkeys(grad_allreduce)), tuple(p.tensors), tuple(p.reduces), tuple(p.inputs), tuple(p.enters),
+                tuple(k for k in kept_whole if k[2]))
 
 
 def _located(cls, position: Position, message: str, rule: str) -> TpmapError:

@@ -171,6 +171,23 @@ def test_after_a_successful_apply_the_shared_config_and_checkpoint_describe_the_
             assert r["via_config_updates"] > 0  # the per-module config copy path is exercised
 
 
+def test_a_partial_mapping_warns_once_on_rank_0_naming_what_stays_whole(ranks):
+    """ConvBERT keeps its attention whole (a `replicated` item with a reason): apply warns on rank 0, once per
+    mapping and world size, naming the pattern, the reason and this rank's share; a complete mapping (llama)
+    and the other ranks stay silent."""
+    refs, classes = ["convbert", "llama"], ["ConvBertForMaskedLM", "LlamaForCausalLM"]
+    rank0, rank1 = ranks(2).run(rank_cases.partial_mapping_warnings, refs, classes)
+    first, again, llama = rank0
+    assert len(first["messages"]) == 1, first
+    message = first["messages"][0]
+    assert "convbert.yaml is a partial mapping" in message and "encoder.layer.*.*attention (2 modules)" in message
+    assert "conv_kernel_layer" in message  # the declared reason
+    assert f"{first['share']:.1%} of the parameters at tp_size 2" in message
+    assert 0.5 < first["share"] < 1.0  # the FFN and the vocabulary are split, the attention is not
+    assert again["messages"] == [] and llama["messages"] == []
+    assert all(r["messages"] == [] for r in rank1)
+
+
 def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_that_work():
     """intermediate_size 190 at world size 4 must not silently cover 188 rows."""
     import torch

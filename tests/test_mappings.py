@@ -53,6 +53,9 @@ def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, ge
                 bound = rtol * (10 if key == "grad_fp32" and ref in LOOSE_FP32 else 1)
                 assert r[key]["checked"] > 3 and r[key]["worst_rel"] <= bound, (key, r[key])
                 assert r[key]["loss_diff"] <= 1e-5 * max(1.0, abs(r[key]["loss"])), (key, r[key])
+        if "grad_fp64_unsharded_error" in r:  # declared not_checked: the unsharded model must really fail
+            assert r["grad_fp64_unsharded_error"], (
+                f"{ref}: the unsharded model now runs in float64; remove not_checked: grad_fp64 from its verify config")
         if "generate" in r:
             assert r["generate"]["new_tokens"] >= 20 and r["generate"]["ranks_agree"], r["generate"]
             assert r["generate"]["same_as_full"], r["generate"]

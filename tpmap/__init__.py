@@ -19,6 +19,7 @@ from .errors import (
     MappingErrors,
     MetaDeviceError,
     MissingInputError,
+    PartialMappingWarning,
     ModuleKindError,
     PatternMatchError,
     ProcessGroupError,
@@ -36,5 +37,5 @@ __all__ = [
     "LossParallelError", "TpmapError", "MappingError", "MappingErrors", "UnknownModelTypeError",
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
     "AlreadyAppliedError", "MetaDeviceError", "MissingInputError", "UnsupportedConfigError",
-    "from_pretrained", "save_pretrained", "CheckpointError", "LoadError",
+    "from_pretrained", "save_pretrained", "CheckpointError", "LoadError", "PartialMappingWarning",
 ]

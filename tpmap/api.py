@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import zlib
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from .errors import (
     MappingError,
     MetaDeviceError,
     ProcessGroupError,
+    PartialMappingWarning,
 )
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
@@ -129,8 +131,11 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
     from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
     from tpmap.engine import shard
 
+    params_full = sum(p.numel() for p in model.parameters())
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
     setattr(model, PLAN_ATTR, plan)
+    if plan.kept_whole and tp_rank == 0:
+        _warn_partial(plan, sum(p.numel() for p in model.parameters()) / max(params_full, 1))
     if loss_parallel:
         head = next(m for m in plan.modules if m.style == "vocab_head")
         _use_loss_parallel(model, model.get_submodule(head.name))
@@ -139,6 +144,22 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
         if callable(getattr(model, "generate", None)):
             _same_generate_arguments_on_every_rank(model, group)
     return model
+
+
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_partial(plan, share: float) -> None:
+    """Once per process and (mapping, world size), on rank 0: which blocks a partial mapping keeps whole."""
+    if (plan.source, plan.tp_size) in _WARNED:
+        return
+    _WARNED.add((plan.source, plan.tp_size))
+    blocks = "; ".join(f"{pattern} ({count} module{'s' * (count != 1)}): {reason}"
+                       for pattern, reason, count in plan.kept_whole)
+    warnings.warn(f"{plan.source} is a partial mapping: these blocks stay whole on every rank -- {blocks}. "
+                  f"Each rank holds {share:.1%} of the parameters at tp_size {plan.tp_size} "
+                  f"(1/{plan.tp_size} = {1 / plan.tp_size:.1%} would be a complete split).",
+                  PartialMappingWarning, stacklevel=3)
 
 
 def _tensors(args: tuple, kwargs: dict, positional: list[str]) -> list[tuple[str, torch.Tensor]]:

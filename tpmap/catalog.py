@@ -22,6 +22,7 @@ class Row:
     classes: list[str]
     forward_ws: list[int]
     gradient_ws: list[int]
+    gradient: str  # the rendered gradients cell
     generate_ws: list[int]
     features: list[str]
     share_ws4: float | None
@@ -35,6 +36,12 @@ def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
     deep = [ws for ws in (2, 4) if ws in first.world_sizes]
     generate = deep if any(c.endswith(GENERATES) for c in first.models) else []
     return forward, deep, generate
+
+
+def gradient_cell(mapping, gradient_ws: list[int]) -> str:
+    """The gradients column: world sizes, and "fp32 only" where fp64 is declared not checkable."""
+    cell = ", ".join(map(str, gradient_ws)) if gradient_ws else "-"
+    return cell + (" (fp32 only)" if gradient_ws and "grad_fp64" in mapping.verify[0].not_checked else "")
 
 
 def features(mapping) -> list[str]:
@@ -98,11 +105,18 @@ def rows() -> list[Row]:
         mapping = loaded.mapping
         forward, gradient, generate = proven_checks(mapping)
         notes = []
-        if mapping.replicated:
-            notes.append("whole on every rank: " + ", ".join(f"`{p}`" for p in mapping.replicated))
+        if mapping.kept_whole:
+            notes.append("**partial**, kept whole: " + "; ".join(f"`{k.module}` ({k.reason})"
+                                                                 for k in mapping.kept_whole))
+        plain = [p for p in mapping.replicated if isinstance(p, str)]
+        if plain:
+            notes.append("replicated by design: " + ", ".join(f"`{p}`" for p in plain))
+        for check, reason in mapping.verify[0].not_checked.items():
+            notes.append(f"{check} not run ({reason})")
         notes += [f"unsupported: {u.reason}" for u in mapping.unsupported]
         classes = list(dict.fromkeys(c for spec in mapping.verify for c in spec.models))
-        out.append(Row(model_type, classes, forward, gradient, generate, features(mapping), share_at(mapping, loaded),
+        out.append(Row(model_type, classes, forward, gradient, gradient_cell(mapping, gradient), generate,
+                       features(mapping), share_at(mapping, loaded),
                        "; ".join(notes)))
     return out
 
@@ -128,6 +142,6 @@ def render(table: list[Row]) -> str:
     ]
     for r in table:
         share = f"{r.share_ws4:.1%}" if r.share_ws4 is not None else "-"
-        lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {ws(r.gradient_ws)} | "
+        lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {r.gradient} | "
                      f"{ws(r.generate_ws)} | {share} | {', '.join(r.features)} | {r.notes.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -116,3 +116,8 @@ def did_you_mean(word: str, choices) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
+
+
+class PartialMappingWarning(UserWarning):
+    """`tpmap.apply` kept blocks whole on every rank because the mapping declares them so (a `replicated`
+    item with a reason): the model is tensor-parallel, but those blocks take full memory and compute."""

@@ -396,6 +396,32 @@ class Verify(_Strict):
         "model class: input_ids + attention_mask when its main input is input_ids, decoder_input_ids for an "
         "encoder-decoder. A main input other than input_ids must be declared (Whisper's input_features)"
     )
+    not_checked: dict[Literal["grad_fp64"], str] = Field(
+        {}, description="checks CI cannot run on this config because the unsharded transformers model itself fails "
+        "them, with the reason (e.g. grad_fp64: an attention that builds a float32 constant). CI proves the claim: "
+        "it runs the check on the unsharded model and fails when that succeeds, so a stale entry is noticed"
+    )
+
+
+class KeptWhole(_Strict):
+    """A block that a complete tensor-parallel mapping would split, kept whole on every rank because the
+    model's code does not allow splitting it (e.g. an attention that reshapes its output by its input
+    width, LSH rotations drawn per head count). Unlike a plain `replicated` pattern (a router, a small
+    low-rank projection: replicated by design, as in Megatron), a kept-whole block makes the mapping
+    *partial*: `tpmap.apply` warns once naming it, and `tpmap verify` / MODELS.md report the per-rank
+    share of the parameters.
+
+    Example::
+
+        replicated:
+          - module: layers.*.rel_attn
+            reason: the output projection is an einsum followed by residual + LayerNorm in one module
+    """
+
+    module: Pattern
+    reason: str = Field(min_length=1, description="why it cannot be split, naming the code that prevents it")
+
+    _v_module = field_validator("module")(lambda v: _check_pattern(v))
 
 
 class Unsupported(_Strict):
@@ -438,8 +464,10 @@ class Mapping(_Strict):
     unsupported: list[Unsupported] = Field(
         [], description="config variants refused by apply and lint, each with its reason"
     )
-    replicated: list[Pattern] = Field(
-        [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage)"
+    replicated: list[Union[Pattern, KeptWhole]] = Field(
+        [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage): a pattern "
+        "for a module replicated by design (a router), or {module, reason} for a block a complete mapping would "
+        "split (the mapping is then partial and `tpmap.apply` warns naming it)"
     )
     entries: list[Entry] = Field(min_length=1, description="the TensorParallelismInfo entries")
     vocab_parallel: VocabParallel | None = Field(
@@ -454,7 +482,18 @@ class Mapping(_Strict):
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
 
-    _v_replicated = field_validator("replicated", "grad_allreduce")(lambda v: [_check_pattern(p) for p in v])
+    _v_replicated = field_validator("replicated", "grad_allreduce")(
+        lambda v: [_check_pattern(p) if isinstance(p, str) else p for p in v])
+
+    @property
+    def replicated_patterns(self) -> list[str]:
+        """Every `replicated` pattern, plain or kept whole."""
+        return [p if isinstance(p, str) else p.module for p in self.replicated]
+
+    @property
+    def kept_whole(self) -> list[KeptWhole]:
+        """The blocks that make this mapping partial (`replicated` items with a reason)."""
+        return [p for p in self.replicated if isinstance(p, KeptWhole)]
 
 
 def json_schema() -> dict:

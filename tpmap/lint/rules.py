@@ -122,7 +122,7 @@ class _Matches:
         from tpmap.engine.plan import match
 
         self.entries = [match(e.module, names) for e in loaded.mapping.entries]
-        self.replicated = [match(p, names) for p in loaded.mapping.replicated]
+        self.replicated = [match(p, names) for p in loaded.mapping.replicated_patterns]
 
 
 def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
@@ -154,7 +154,7 @@ def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
     """No replicated pattern keeps whole (a parent of) a module that an entry shards."""
     mapping = loaded.mapping
     out = []
-    for k, (pattern, matched) in enumerate(zip(mapping.replicated, m.replicated)):
+    for k, (pattern, matched) in enumerate(zip(mapping.replicated_patterns, m.replicated)):
         kept = set(matched)
         for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
             if not isinstance(entry, (Column, Row)):
@@ -180,7 +180,7 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str],
         Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
                       f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
                       f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(pattern, names)}")
-        for k, pattern in enumerate(loaded.mapping.replicated) if k not in hit
+        for k, pattern in enumerate(loaded.mapping.replicated_patterns) if k not in hit
     ]
 
 
