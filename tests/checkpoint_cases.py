@@ -116,8 +116,11 @@ def save_sharded(ref: str, verify_index: int, class_name: str, folder: str, **hf
 
 
 def logits_from_pretrained(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
-    """tpmap.from_pretrained at this world size against the unsharded model the folder was saved from."""
-    full = verify.build_model(ref, verify_index, class_name)
+    """tpmap.from_pretrained at this world size against plain transformers loading the same folder, unsharded
+    (the model it was saved from, except what transformers recomputes on load: Marian's sinusoidal positions)."""
+    import transformers
+
+    full = getattr(transformers, class_name).from_pretrained(folder)
     inputs = verify.case_inputs(ref, verify_index, full)
     model = tpmap.from_pretrained(folder, model_class=class_name, mapping=verify.resolve(ref))
     with torch.no_grad():
