@@ -79,7 +79,7 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     config = model.config
     declared = declared or {}
     gen = torch.Generator().manual_seed(seed)
-    vocab = getattr(config, "vocab_size", None)
+    vocab = getattr(config.get_text_config(), "vocab_size", None)  # a multimodal config keeps it in text_config
     main = getattr(model, "main_input_name", "input_ids")
     if main not in declared and main != "input_ids":
         raise MissingInputError(
