@@ -389,6 +389,37 @@ def mismatched_inputs_case(ref: str, class_name: str) -> dict:
     return {"error": None, "message": ""}
 
 
+def generate_check_cost(ref: str, class_name: str, new_tokens: int = 6) -> dict:
+    """All-gathers in one greedy generate with the input check on and off: the check gathers once per call
+    (not once per decode step). Then sampling with a different RNG state on rank 1 must be refused."""
+    from tpmap.engine.collectives import counting_collectives
+
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name)
+    checked = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    unchecked = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), check_inputs=False)
+    inputs = verify.case_inputs(ref, 0, full)
+    kwargs = dict(attention_mask=inputs["attention_mask"], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    counts, tokens = {}, {}
+    for name, model in (("checked", checked), ("unchecked", unchecked)):
+        with counting_collectives() as c:
+            tokens[name] = model.generate(inputs["input_ids"], **kwargs)
+        counts[name] = dict(c)
+    torch.manual_seed(5 + dist.get_rank())  # sampling from different RNG states: tokens would differ
+    try:
+        checked.generate(inputs["input_ids"], **{**kwargs, "do_sample": True})
+        sampling_error = None
+    except tpmap.InputMismatchError as e:
+        sampling_error = str(e)
+    torch.manual_seed(5)
+    checked.generate(inputs["input_ids"], **{**kwargs, "do_sample": True})  # the same state: runs
+    forward_after = checked(**inputs).logits  # the per-forward check is back on after generate
+    return {"counts": counts, "same_tokens": torch.equal(tokens["checked"], tokens["unchecked"]),
+            "sampling_error": sampling_error, "paused_after": checked._forward_pre_hooks_with_kwargs != {},
+            "logits_finite": bool(torch.isfinite(forward_after).all())}
+
+
 def mismatched_main_input_case(ref: str, verify_index: int, class_name: str) -> dict:
     """Rank 1 gets other values of the model's main input (Whisper's input_features, passed
     positionally): every rank raises InputMismatchError; with the same inputs the forward runs."""

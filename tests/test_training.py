@@ -159,6 +159,19 @@ def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
         assert r["calls"] == 2 * r["layers"] + 1, r
 
 
+def test_generate_checks_its_inputs_once_per_call_not_once_per_decode_step(ranks):
+    """A decode step's inputs derive from the gathered logits (the same bytes on every rank), so generate
+    checks its arguments once up front and pauses the per-forward check: with 6 new tokens the checked
+    model issues exactly one all-gather more than the unchecked one, and two gather_object-style ones
+    (settings); sampling from different RNG states is refused, from the same state it runs."""
+    for r in ranks(2).run(rank_cases.generate_check_cost, "llama", "LlamaForCausalLM"):
+        checked, unchecked = r["counts"]["checked"], r["counts"]["unchecked"]
+        assert checked.get("all_reduce", 0) == unchecked.get("all_reduce", 0), r["counts"]
+        assert checked["all_gather"] == unchecked["all_gather"] + 1, r["counts"]  # per step it would be +7
+        assert r["same_tokens"] and r["logits_finite"]
+        assert r["sampling_error"] is not None and "RNG state" in r["sampling_error"], r["sampling_error"]
+
+
 def test_training_configs_are_the_verified_ones():
     """The cases above use the first embedded config of each mapping, which verify also proves."""
     for ref, index, cls in LM_CLASSES + CORE:
@@ -167,7 +180,7 @@ def test_training_configs_are_the_verified_ones():
 
 
 @pytest.mark.parametrize("kind,words", [("inputs_embeds", "differ from rank 0 in inputs_embeds"),
-                                        ("seed", "the RNG state (training mode)"),
+                                        ("seed", "the RNG state (training mode, or sampling)"),
                                         ("max_new_tokens", "called generate with other settings than rank 0: "
                                                            "max_new_tokens")])
 def test_ranks_out_of_step_raise_on_every_rank_instead_of_a_silent_wrong_result(ranks, kind, words):

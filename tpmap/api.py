@@ -140,9 +140,10 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
         head = next(m for m in plan.modules if m.style == "vocab_head")
         _use_loss_parallel(model, model.get_submodule(head.name))
     if check_inputs:
-        model.register_forward_pre_hook(_same_inputs_on_every_rank(model, group), with_kwargs=True)
+        forward_check = _same_inputs_on_every_rank(model, group)
+        model.register_forward_pre_hook(forward_check, with_kwargs=True)
         if callable(getattr(model, "generate", None)):
-            _same_generate_arguments_on_every_rank(model, group)
+            _same_generate_arguments_on_every_rank(model, group, forward_check)
     return model
 
 
@@ -205,31 +206,50 @@ def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tenso
     return torch.nan_to_num(row)  # a NaN input must not read as a mismatch
 
 
+def _positional_names(function) -> list[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _compare_across_ranks(tensors, rng_state, group) -> None:
+    """One all-gather of the 5-number fingerprint; on a mismatch, name what differs and raise."""
+    device = tensors[0][1].device if tensors else torch.device("cpu")
+    mine = _fingerprint(tensors, rng_state).to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
+    if bad:
+        raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
+
+
 def _same_inputs_on_every_rank(model: nn.Module, group):
     """The input check: before every forward, one all-gather of a 5-number fingerprint of *every* tensor
     argument (and, in training mode, of the RNG state); on a mismatch, every rank (they all see it) joins
-    one more gather to name the arguments that differ, and raises InputMismatchError."""
-    parameters = inspect.signature(model.forward).parameters.values()
-    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    one more gather to name the arguments that differ, and raises InputMismatchError.
+
+    ``hook.paused`` skips it: `generate` checks its own arguments and the RNG state once per call, and
+    every forward inside it then gets inputs derived identically on every rank (the gathered logits are
+    the same bytes everywhere, sampling draws from the checked RNG state), so the decode steps need no
+    gather of their own."""
+    positional = _positional_names(model.forward)
 
     def hook(module, args, kwargs):
-        tensors = _tensors(args, kwargs, positional)
-        device = tensors[0][1].device if tensors else torch.device("cpu")
-        rng_state = torch.get_rng_state() if module.training else None
-        mine = _fingerprint(tensors, rng_state).to(device)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, mine, group=group)
-        bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
-        if bad:
-            raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
+        if hook.paused:
+            return
+        _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if module.training else None,
+                              group)
 
+    hook.paused = False
     return hook
 
 
-def _same_generate_arguments_on_every_rank(model: nn.Module, group) -> None:
+def _same_generate_arguments_on_every_rank(model: nn.Module, group, forward_check=None) -> None:
     """Ranks calling generate with different settings (max_new_tokens, ...) would run different numbers
-    of forwards and leave the others blocked in a collective: compare them once per call, up front."""
+    of forwards and leave the others blocked in a collective: compare them once per call, up front, with
+    the tensor arguments (the prompt) and the RNG state (sampling); the per-forward check (`forward_check`)
+    is paused for the forwards generate runs."""
     generate = model.generate
+    positional = _positional_names(generate)
 
     @functools.wraps(generate)
     def checked_generate(*args, **kwargs):
@@ -245,7 +265,15 @@ def _same_generate_arguments_on_every_rank(model: nn.Module, group) -> None:
                 f"ranks {bad} called generate with other settings than rank 0: {', '.join(differ)} "
                 f"({differ[0]} = {[g.get(differ[0]) for g in gathered]} per rank). Every rank must generate "
                 "the same way, or the ranks run different numbers of forwards and block each other.")
-        return generate(*args, **kwargs)
+        if forward_check is None or forward_check.paused:  # no input check, or generate called re-entrantly
+            return generate(*args, **kwargs)
+        sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
+        _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if sampling else None, group)
+        forward_check.paused = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            forward_check.paused = False
 
     model.generate = checked_generate
 
@@ -258,8 +286,9 @@ def _mismatch_message(tensors, everyone: list[torch.Tensor], bad: list[int], gro
     names = sorted(set().union(*gathered))
     differ = [n for n in names if any(g.get(n) != gathered[0].get(n) for g in gathered)]
     rng = any(e[4] != everyone[0][4] for e in everyone)
-    what = ", ".join(differ) if differ else ("the RNG state (training mode)" if rng else "tensor values")
-    advice = ("seed every rank with the same torch.manual_seed before training (dropout masks must match)"
+    what = ", ".join(differ) if differ else ("the RNG state (training mode, or sampling)" if rng else "tensor values")
+    advice = ("seed every rank with the same torch.manual_seed before training or sampling (dropout masks and "
+              "sampled tokens must match)"
               if rng and not differ else "give all ranks the same batch (same data order and seed)")
     return (f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
             f"{what}. Every rank must call the model with the same tensors: {advice}.")
