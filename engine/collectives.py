@@ -118,17 +118,36 @@ def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
 _COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
+class CollectiveCounts(Counter):
+    """Calls per collective name; ``.bytes`` holds, per name, the bytes this rank sent in (the input
+    tensor's size: for an all-gather, this rank's part)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: Counter = Counter()
+
+
+def _payload(args, kwargs) -> int:
+    tensor = kwargs.get("tensor", kwargs.get("input_tensor"))
+    if tensor is None:  # all_reduce(tensor), all_gather(list, tensor), all_gather_into_tensor(out, tensor)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensor = tensors[-1] if tensors else None
+    return tensor.numel() * tensor.element_size() if tensor is not None else 0
+
+
 @contextlib.contextmanager
 def counting_collectives():
     """Count the torch.distributed collectives issued inside the block (by name), e.g. per forward:
-    ``with counting_collectives() as counts: model(**inputs)`` -> ``{"all_reduce": 5, "all_gather": 2}``.
-    Counts the real calls on their way through; for reports and tests, not for production loops."""
-    counts: Counter = Counter()
+    ``with counting_collectives() as counts: model(**inputs)`` -> ``{"all_reduce": 5, "all_gather": 2}``,
+    with ``counts.bytes`` the bytes per name. Counts the real calls on their way through; for reports
+    and tests, not for production loops."""
+    counts = CollectiveCounts()
     originals = {name: getattr(dist, name) for name in _COUNTED}
 
     def counted(name, fn):
         def call(*args, **kwargs):
             counts[name] += 1
+            counts.bytes[name] += _payload(args, kwargs)
             return fn(*args, **kwargs)
         return call
 

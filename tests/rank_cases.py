@@ -593,3 +593,16 @@ def prove_case(ref: str, verify_index: int, class_name: str, training: bool, gen
     if generate:
         out["generate"] = generate_case(ref, verify_index, class_name, None)
     return out
+
+
+def comm_counts(model_types: list[str]) -> list[dict]:
+    """benchmarks/comm.py's measurement (collectives per forward and per step, and the Megatron minimum
+    from the unsharded model's dataflow) for each model type, on this rank."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "comm.py"
+    spec = importlib.util.spec_from_file_location("tpmap_bench_comm", path)
+    comm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(comm)
+    return [comm.row(comm.measure(t)) for t in model_types]
