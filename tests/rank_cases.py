@@ -170,6 +170,7 @@ def _grad_report(full, sharded, rank: int) -> dict:
     plan = sharded.tpmap_plan
     full_grads = {n: p.grad for n, p in full.named_parameters()}
     global_max = max(g.abs().max().item() for g in full_grads.values() if g is not None)
+    assert global_max == global_max, "the unsharded gradients hold NaN"
     worst, worst_name, checked = 0.0, "", 0
     for name, p in sharded.named_parameters():
         want = full_grads[name]
@@ -183,6 +184,8 @@ def _grad_report(full, sharded, rank: int) -> dict:
         denom = max(want.abs().max().item(), 1e-2 * global_max)
         rel = (got - want).abs().max().item() / denom
         checked += 1
+        if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+            rel = float("inf")  # a NaN compares false with everything: never let it pass as "no difference"
         if rel > worst:
             worst, worst_name = rel, name
     return {"worst_rel": worst, "worst_name": worst_name, "checked": checked}
