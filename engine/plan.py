@@ -182,6 +182,14 @@ def match(pattern: str, names) -> list[str]:
     ]
 
 
+def match_entry(entry, modules: dict) -> list[str]:
+    """The modules an entry applies to: its pattern's matches, kept to its `classes` when it names any."""
+    matched = match(entry.module, modules)
+    if entry.classes:
+        matched = [n for n in matched if type(modules[n]).__name__ in entry.classes]
+    return matched
+
+
 def suggest(pattern: str, names) -> str:
     """A close real module name, with layer numbers turned back into '*'."""
     generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names if n})

@@ -34,6 +34,7 @@ from .plan import (
     ParamShard,
     base_prefix,
     match,
+    match_entry,
     resolve_attr,
     suggest,
 )
@@ -54,8 +55,13 @@ class EntryContext:
         return self.loaded.source.value(("entries", self.index) + key)
 
     def lookup(self, name: str) -> int:
-        if hasattr(self.config, name):
-            return getattr(self.config, name)
+        try:
+            if hasattr(self.config, name):
+                return getattr(self.config, name)
+        except RuntimeError as e:  # transformers' AmbiguousGlobalPerLayerAttributeError: differs per layer
+            raise ConfigAttributeError(
+                f"the {type(self.config).__name__} cannot give one value of {name!r}: {e}. Use an attribute "
+                "that holds one value for every layer, or split the entry with `when`") from e
         # else an attribute of exactly one sub-config (DBRX keeps moe_num_experts in ffn_config)
         subs = {key: sub for key in getattr(self.config, "sub_configs", None) or {}
                 if isinstance(sub := getattr(self.config, key, None), PretrainedConfig)}
@@ -120,7 +126,12 @@ class Planner:
             self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
             try:
-                matched = match(entry.module, self.names)
+                matched = match_entry(entry, self.modules)
+                if not matched and entry.classes and match(entry.module, self.names):
+                    found = sorted({type(self.modules[n]).__name__ for n in match(entry.module, self.names)})
+                    raise ctx.error(PatternMatchError, f"pattern matches modules of class {', '.join(found)} only, "
+                                    f"none of classes {', '.join(entry.classes)}; valid choices: "
+                                    f"{', '.join(found)}", "classes", rule="pattern-no-match")
                 if not matched:
                     prefix = self.prefix
                     raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "

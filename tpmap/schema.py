@@ -130,6 +130,11 @@ def config_matches(when: dict[str, Any] | None, config) -> bool:
 class _Entry(_Strict):
     module: Pattern = Field(description="dotted module path relative to the base model; * globs per component")
     when: When | None = None
+    classes: list[str] | None = Field(
+        None, min_length=1,
+        description="only the matched modules of these classes (class names): for hybrid stacks whose layer kinds "
+        "share a module name, e.g. MiniMax's self_attn is a lightning or a softmax attention by layer",
+    )
 
     _v_module = field_validator("module")(lambda v: _check_pattern(v))
 

@@ -168,6 +168,7 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     bad_fraction = []  # each split parameter holds 1/ws of the original (ceil(V/ws) rows when padded)
     if plan is not None:
         local = dict(sharded.named_parameters(remove_duplicate=False))
+        local |= dict(sharded.named_buffers(remove_duplicate=False))  # a Param entry may split a buffer
         for shard in plan.params.values():
             if shard.dim is None or shard.replicated_heads:
                 continue

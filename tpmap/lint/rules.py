@@ -22,7 +22,7 @@ from typing import Iterable
 
 from ..errors import TpmapError, did_you_mean
 from ..loader import LoadedMapping
-from ..schema import Column, Row
+from ..schema import Column, Param, Row
 from . import Diagnostic
 
 _LAYER_KEY = re.compile(r"layers")
@@ -118,10 +118,10 @@ def _covered_kinds() -> tuple:
 class _Matches:
     """What each entry and replicated pattern of a mapping matches in one base model."""
 
-    def __init__(self, loaded: LoadedMapping, names: list[str]):
-        from tpmap.engine.plan import match
+    def __init__(self, loaded: LoadedMapping, names: list[str], modules: dict):
+        from tpmap.engine.plan import match, match_entry
 
-        self.entries = [match(e.module, names) for e in loaded.mapping.entries]
+        self.entries = [match_entry(e, modules) for e in loaded.mapping.entries]
         self.replicated = [match(p, names) for p in loaded.mapping.replicated_patterns]
 
 
@@ -130,6 +130,9 @@ def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matche
     whole on purpose by a `replicated` pattern that matches it or one of its parents (strict mode)."""
     mapping = loaded.mapping
     sharded = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, (Column, Row)) for n in ns}
+    # a Linear whose weight a Param entry splits (inside a Reduce: JetMoE's kv_proj) is split too
+    sharded |= {n for e, ns in zip(mapping.entries, m.entries)
+                if isinstance(e, Param) and "weight" in (e.params or ()) for n in ns}
     kept = {n for ns in m.replicated for n in ns}
     kinds = _covered_kinds()
     out, seen = [], set()
@@ -359,7 +362,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         modules = dict(base.named_modules())
         names = [n for n in modules if n]
         blocks = block_prefixes(base)
-        m = _Matches(loaded, names)
+        m = _Matches(loaded, names, modules)
         replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
         if not default:
             entry_hit.update(i for i, ns in enumerate(m.entries) if ns)
