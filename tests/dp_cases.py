@@ -54,15 +54,15 @@ def _loss(model, ids: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer: str, dtype_name: str,
-                    loss_kind: str = "labels", wrap: str = "ddp") -> dict:
-    """One training step of tpmap on the tp group, wrapped by DDP (or FSDP2) over the dp group, on this dp
+                    loss_kind: str = "labels", wrap: str = "ddp", steps: int = 1) -> dict:
+    """One training step of tpmap on the tp group, wrapped by DDP (or FSDP2, `wrap`) over the dp group, on this dp
     rank's half of a batch; against one step of the unsharded model on the whole batch.
 
     `loss_kind`: "labels" (transformers' loss, which computes in float32 whatever the dtype),
     "loss_parallel" (the same through tpmap's vocabulary-parallel cross-entropy), or "exact" (the
     cross-entropy of the gathered logits in the model's dtype: fp64 all through, for tight bounds).
 
-    Returns the worst relative difference of the parameter *updates* (after - before): this rank's
+    Returns the worst relative difference of the parameter *updates* (after `steps` - before): this rank's
     shard of every parameter against the same slice of the unsharded update."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,18 +80,24 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
     sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"], loss_parallel=loss_kind == "loss_parallel")
     if wrap == "ddp":
         wrapped = DDP(sharded, process_group=mesh["dp"].get_group())
-    else:
+    else:  # FSDP2: "fsdp" the whole model as one unit, "fsdp_blocks" each block, then the rest
         from torch.distributed.fsdp import fully_shard
+        if wrap == "fsdp_blocks":
+            blocks = next(m for m in sharded.base_model.children() if isinstance(m, torch.nn.ModuleList))
+            for block in blocks:
+                fully_shard(block, mesh=mesh["dp"])
         wrapped = fully_shard(sharded, mesh=mesh["dp"])
     opt = _optimizer(optimizer, wrapped.parameters())
-    loss = _loss(wrapped, half, loss_kind)  # mean over this half; DDP averages the halves' grads
-    loss.backward()
-    opt.step()
-
     opt_full = _optimizer(optimizer, full.parameters())
-    loss_full = _loss(full, batch, loss_kind)  # mean over the whole batch
-    loss_full.backward()
-    opt_full.step()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(wrapped, half, loss_kind)  # mean over this half; DDP averages the halves' grads
+        loss.backward()
+        opt.step()
+        opt_full.zero_grad()
+        loss_full = _loss(full, batch, loss_kind)  # mean over the whole batch
+        loss_full.backward()
+        opt_full.step()
 
     plan = sharded.tpmap_plan
     worst, worst_name = 0.0, ""

@@ -12,7 +12,8 @@ Bounds (measured on this machine in brackets):
 * Mixtral fp64: 1e-6 [1.4e-7]: its router's softmax runs in float32 whatever the dtype.
 * fp32 (transformers' loss or loss_parallel), SGD: 1e-4 [1.7e-5]: sharding and the batch split reorder
   float sums.
-A wrong group (DDP over every rank, or tpmap over the default group) is off by O(1).
+A wrong group (DDP over every rank, or tpmap over the default group) is off by O(1). FSDP2
+(`fully_shard` over the dp mesh) instead of DDP: the same bounds, over two steps.
 """
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def test_ddp_over_dp_of_tpmap_over_tp_equals_one_unsharded_step(ranks, model_typ
         assert r["params"] > 0
         assert r["worst_rel"] < bound, r
         assert r["loss_diff"] < (1e-12 if loss == "exact" else 1e-5), r  # mean of the halves' losses
+
+
+FSDP_CASES = [  # FSDP2 over dp: the whole model as one unit ("fsdp") or each block, then the rest
+    ("llama", "LlamaForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-10),
+    ("llama", "LlamaForCausalLM", KV1, "sgd", "float64", "exact", "fsdp_blocks", 1e-10),
+    ("qwen3", "Qwen3ForCausalLM", {}, "adamw", "float64", "exact", "fsdp_blocks", 1e-6),
+    ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", "fsdp_blocks", 1e-4),
+    ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-6),
+]
+
+
+@pytest.mark.parametrize("model_type,class_name,overrides,optimizer,dtype,loss,wrap,bound", FSDP_CASES,
+                         ids=[f"{c[0]}-{c[3]}-{c[4]}-{c[6]}" for c in FSDP_CASES])
+def test_fsdp2_over_dp_of_tpmap_over_tp_equals_unsharded_steps(ranks, model_type, class_name, overrides,
+                                                               optimizer, dtype, loss, wrap, bound):
+    """fully_shard swaps every parameter for a DTensor (and an unsharded one in forward): tpmap's gradient
+    hooks (replicated KV heads, grad_allreduce norms) must follow, or those gradients are wrong by O(1).
+    Two steps: the hooks hold on the parameters FSDP2 uses the second time too."""
+    results = ranks(4).run(dp_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss,
+                           wrap, 2)
+    for r in results:
+        assert r["worst_rel"] < bound, r
 
 
 def test_apply_takes_the_tp_dimension_of_a_mesh_and_remembers_its_group(ranks):
