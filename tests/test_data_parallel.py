@@ -53,6 +53,7 @@ FSDP_CASES = [  # FSDP2 over dp: the whole model as one unit ("fsdp") or each bl
     ("qwen3", "Qwen3ForCausalLM", {}, "adamw", "float64", "exact", "fsdp_blocks", 1e-6),
     ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", "fsdp_blocks", 1e-4),
     ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-6),
+    ("gpt_oss", "GptOssForCausalLM", {}, "sgd", "float64", "exact", "fsdp", 1e-10),  # partial expert bias
 ]
 
 
