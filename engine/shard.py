@@ -15,6 +15,7 @@ into the full tensor.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -258,19 +259,34 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
       are summed (scattered into a full-size buffer, all-reduced, sliced back).
     """
     for name in plan.grad_allreduce:
-        p = model.get_parameter(name)
-        if p.requires_grad:
-            p.register_hook(lambda g: _all_reduced(g, group))
+        _on_gradient(model, name, lambda g: _all_reduced(g, group))
     for shard in plan.params.values():
         if shard.partial and dist.get_rank(group) != 0:  # kept on rank 0 only: the others stay zero
-            p = model.get_parameter(shard.name)
-            if p.requires_grad:
-                p.register_hook(torch.zeros_like)
+            _on_gradient(model, shard.name, torch.zeros_like)
         if shard.replicated_heads and shard.holder == "parameter":
-            p = model.get_parameter(shard.name)
-            if p.requires_grad:
-                index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)
-                p.register_hook(lambda g, s=shard, i=index: _sum_over_holders(g, s, i, group))
+            index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)
+            _on_gradient(model, shard.name, lambda g, s=shard, i=index: _sum_over_holders(g, s, i, group))
+
+
+def _on_gradient(model: nn.Module, name: str, hook) -> None:
+    """`hook` on the gradient of parameter `name`, and on any parameter found in its place when its module
+    runs: FSDP2's `fully_shard` (data parallelism around tensor parallelism) replaces every parameter by a
+    sharded DTensor and, for forward, by an unsharded plain one, which is what receives the gradient."""
+    from torch.distributed.tensor import DTensor
+
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    hooked: list[weakref.ref] = []  # each parameter object once (a hook registered twice would apply twice)
+
+    def hook_current(module, args):
+        p = module._parameters.get(attr)
+        if p is None or not p.requires_grad or isinstance(p, DTensor) or any(r() is p for r in hooked):
+            return
+        p.register_hook(hook)
+        hooked[:] = [r for r in hooked if r() is not None] + [weakref.ref(p)]
+
+    hook_current(owner, ())
+    owner.register_forward_pre_hook(hook_current)
 
 
 def _all_reduced(grad: torch.Tensor, group) -> torch.Tensor:

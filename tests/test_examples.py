@@ -46,6 +46,23 @@ def test_train_example_matches_one_rank_and_saves_a_standard_checkpoint(tmp_path
     assert max((tp2[k] - tp1[k]).abs().max().item() for k in tp1) < 1e-3
 
 
+def test_2d_example_dp2_tp2_matches_one_rank_and_saves_from_one_replica(tmp_path):
+    """4 ranks as (dp 2, tp 2), each replica on half the batch, train like 1 rank on the whole batch."""
+    from transformers import AutoModelForCausalLM
+
+    args = ("--model-type", "llama", "--steps", "3", "--batch", "4", "--seq", "16")
+    out4 = torchrun(4, "train_2d.py", "--dp", "2", "--tp", "2", *args, "--save", str(tmp_path / "dp2tp2"))
+    out1 = torchrun(1, "train_2d.py", "--dp", "1", "--tp", "1", *args, "--save", str(tmp_path / "one"))
+    losses4 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out4)]
+    losses1 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out1)]
+    assert len(losses4) == 3 and losses4[-1] < losses4[0]
+    assert losses4 == pytest.approx(losses1, abs=2e-4)  # printed with 4 decimals
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "dp2tp2").state_dict()
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "one").state_dict()
+    assert got.keys() == want.keys()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-3  # fp32 AdamW, as above
+
+
 def test_generate_example_matches_the_unsharded_model():
     out = torchrun(2, "generate.py", "--model-type", "gpt2", "--check")
     assert "rank 0: matches the unsharded model: True" in out and "rank 1: matches the unsharded model: True" in out

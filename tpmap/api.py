@@ -24,6 +24,7 @@ from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
 
 PLAN_ATTR = "tpmap_plan"  # the applied Plan is kept on the model under this name
+GROUP_ATTR = "tpmap_group"  # and the process group it was sharded over (None: the default group)
 
 
 def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
@@ -46,6 +47,29 @@ def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
             loaded.source.value(("model_type",)),
         )
     return loaded
+
+
+def process_group(group):
+    """The ProcessGroup that `group` names: a ProcessGroup, a 1-D DeviceMesh (the tensor-parallel dimension
+    of a 2-D layout, ``mesh["tp"]``) or None (the default group, every rank)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            names = group.mesh_dim_names or ()
+            raise ProcessGroupError(
+                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; tensor parallelism needs one dimension "
+                f"of it: pass group=mesh[{names[-1] if names else 'NAME'!r}] (the tensor-parallel dimension)")
+        return group.get_group()
+    raise ProcessGroupError(f"group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, "
+                            f"not {type(group).__name__}")
+
+
+def group_of(model: nn.Module, group=None):
+    """`group` (see `process_group`), or else the group `model` was sharded over by apply/from_pretrained."""
+    return process_group(group) if group is not None else getattr(model, GROUP_ATTR, None)
 
 
 def resolve_group(world_size: int | None, group) -> tuple[int, int]:
@@ -81,6 +105,10 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     Every check happens before the model is touched, so an error leaves it exactly as it was.
     world_size 1 validates the mapping and returns the model unchanged.
 
+    * ``group``: the tensor-parallel process group (default: every rank), or a 1-D DeviceMesh, e.g. the
+      ``"tp"`` dimension of a (dp, tp) mesh for data parallelism around it: ``group=mesh["tp"]``. Every
+      collective, gradient hook, input check and rank-dependent choice (slices, dropout seeds) uses it.
+
     * ``loss_parallel``: in training mode, keep the LM head's logits split along the vocabulary and
       compute the cross-entropy on the shards (needs ``vocab_parallel.lm_head`` in the mapping). A
       transformers causal-LM or masked-LM loss (``labels=...``) is computed that way; a model that
@@ -102,6 +130,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
         raise AlreadyAppliedError(f"{type(model).__name__} is already tensor-parallel "
                                   f"(tp_size={getattr(model, PLAN_ATTR).tp_size}); apply it once, to the full model")
     loaded = load_mapping(model, mapping)
+    group = process_group(group)
     tp_size, tp_rank = resolve_group(world_size, group)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta and tp_size > 1:
@@ -134,6 +163,7 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
     params_full = sum(p.numel() for p in model.parameters())
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
     setattr(model, PLAN_ATTR, plan)
+    setattr(model, GROUP_ATTR, group)  # full_state_dict and save_pretrained default to it
     if plan.kept_whole and tp_rank == 0:
         _warn_partial(plan, sum(p.numel() for p in model.parameters()) / max(params_full, 1))
     if loss_parallel:
@@ -338,7 +368,8 @@ def vocab_parallel_cross_entropy(model: nn.Module, logits: torch.Tensor, labels:
 
 
 def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of a tensor-parallel model (a collective: call it on every rank).
+    """The unsharded state dict of a tensor-parallel model (a collective: call it on every rank of its
+    group; `group` defaults to the one it was sharded over).
 
     Keys and shapes are those of the original model, so it saves as a standard checkpoint."""
     from tpmap.engine.shard import full_tensor
@@ -351,6 +382,7 @@ def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     for shard in plan.params.values():
         for name in (shard.name, *shard.aliases):
             shards[name] = shard
+    group = group_of(model, group)
     return {k: full_tensor(v, shards[k], group) if k in shards else v for k, v in state.items()}
 
 

@@ -78,6 +78,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     from tpmap.engine import plan as planning
     from tpmap.engine.shard import take
 
+    group = api.process_group(group)
     tp_size, tp_rank = api.resolve_group(world_size, group)
     kwargs = dict(hf_kwargs)
     refused = sorted(k for k in kwargs if k in _NOT_HERE)

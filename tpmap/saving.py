@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import PLAN_ATTR
+from .api import PLAN_ATTR, group_of
 from .checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsWriter, with_variant
 
 _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process")
@@ -29,14 +29,17 @@ _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process"
 def save_pretrained(model: nn.Module, save_directory, *, group=None, **hf_kwargs) -> None:
     """Write `model` (tensor-parallel or not) as a standard transformers checkpoint into `save_directory`.
 
-    A collective on a tensor-parallel model: call it on every rank; rank 0 writes. ``hf_kwargs``:
-    ``max_shard_size`` (default ``"50GB"``, as transformers), ``variant``, ``save_original_format``
+    A collective on a tensor-parallel model: call it on every rank of its tensor-parallel group (`group`
+    defaults to the one it was sharded over); that group's rank 0 writes. Under data parallelism, call it
+    in one data-parallel replica only (e.g. ``if dp_rank == 0``), or every replica writes the same files.
+    ``hf_kwargs``: ``max_shard_size`` (default ``"50GB"``, as transformers), ``variant``, ``save_original_format``
     (default True: revert load-time weight conversions, as transformers). The folder loads with plain
     ``AutoModel...from_pretrained`` and with `tpmap.from_pretrained` at any world size.
     """
     unknown = sorted(set(hf_kwargs) - set(_TAKES))
     if unknown:
         raise TypeError(f"tpmap.save_pretrained does not take {', '.join(unknown)}; it takes {', '.join(_TAKES)}")
+    group = group_of(model, group)  # default: the group the model was sharded over
     plan = getattr(model, PLAN_ATTR, None)
     if plan is None:  # an ordinary model: transformers saves it (rank 0 only under a process group)
         rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
