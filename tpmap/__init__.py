@@ -22,6 +22,7 @@ from .errors import (
     ModuleKindError,
     PatternMatchError,
     ProcessGroupError,
+    SequenceParallelError,
     TpmapError,
     UnknownModelTypeError,
     UnsupportedConfigError,
@@ -37,4 +38,5 @@ __all__ = [
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
     "AlreadyAppliedError", "MetaDeviceError", "MissingInputError", "UnsupportedConfigError",
     "from_pretrained", "save_pretrained", "CheckpointError", "LoadError",
+    "SequenceParallelError",
 ]

@@ -17,11 +17,13 @@ from .errors import (
     MappingError,
     MetaDeviceError,
     ProcessGroupError,
+    SequenceParallelError,  # noqa: F401  (raised by engine.sequence.build)
 )
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
 
 PLAN_ATTR = "tpmap_plan"  # the applied Plan is kept on the model under this name
+SEQUENCE_ATTR = "tpmap_sequence"  # sequence parallelism's state (engine.sequence), when it is on
 
 
 def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
@@ -73,7 +75,7 @@ def resolve_group(world_size: int | None, group) -> tuple[int, int]:
 
 
 def apply(model: nn.Module, world_size: int | None = None, *, group=None, mapping=None,
-          loss_parallel: bool = False, check_inputs: bool = True) -> nn.Module:
+          loss_parallel: bool = False, check_inputs: bool = True, sequence_parallel: bool = False) -> nn.Module:
     """Shard `model` in place for tensor parallelism and return it.
 
     Every check happens before the model is touched, so an error leaves it exactly as it was.
@@ -88,6 +90,10 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       training mode, of the RNG state) across ranks -- one all-gather of 5 numbers -- and raises
       `InputMismatchError` naming the arguments that differ, instead of hanging or computing garbage.
       ``generate`` also compares its arguments (max_new_tokens, ...) once per call.
+    * ``sequence_parallel``: keep the activations between the repeated blocks split along the sequence
+      (Megatron-SP; `tpmap.engine.sequence`): norms, dropout and residual adds run on T/ws tokens per rank.
+      A forward whose sequence length does not divide by the world size runs as plain TP. Models it
+      cannot run (several block stacks, MoE, SSM mixers) raise `SequenceParallelError` here.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -108,9 +114,18 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
     plan = planning.build(model, loaded, tp_size)
     check_loss_parallel(plan, loaded, model, loss_parallel)
+    sequence = sequence_plan(model, plan, sequence_parallel)
     if tp_size == 1:
         return model
-    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs)
+    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
+                   sequence=sequence)
+
+
+def sequence_plan(model: nn.Module, plan, sequence_parallel: bool):
+    """Where sequence parallelism's collectives go (None when off); raises SequenceParallelError first."""
+    from tpmap.engine import sequence
+
+    return sequence.build(model, plan) if sequence_parallel else None
 
 
 def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
@@ -123,14 +138,17 @@ def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_para
 
 
 def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool, check_inputs: bool,
-            read=None) -> nn.Module:
+            read=None, sequence=None) -> nn.Module:
     """Execute a checked plan on `model` for this rank and attach what a tensor-parallel model carries (the
     plan, loss_parallel, the input check). `read` gives each split tensor's local part (default: sliced
     from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
+    from tpmap.engine import sequence as sequence_parallel
     from tpmap.engine import shard
 
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
     setattr(model, PLAN_ATTR, plan)
+    if sequence is not None:
+        setattr(model, SEQUENCE_ATTR, sequence_parallel.install(model, sequence, group))
     if loss_parallel:
         head = next(m for m in plan.modules if m.style == "vocab_head")
         _use_loss_parallel(model, model.get_submodule(head.name))
