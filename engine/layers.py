@@ -67,7 +67,8 @@ class ColumnParallelLinear(_TPModule):
             y = y + self.bias
         if self.gather_output:
             return gather_from_tp_region(y, self.tp_group, self.gather_order)
-        if self.training:  # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
+        if self.training and not (self.seq is not None and self.seq.active):  # (SP: the block entered it)
+            # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
             rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device)
         return y
 

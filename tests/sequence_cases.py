@@ -126,3 +126,47 @@ def mixed_backward_case(ref: str, class_name: str) -> dict:
     except RuntimeError as e:  # autograd may wrap it
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None, "message": ""}
+
+
+def dropout_case(ref: str, class_name: str, probe: str) -> dict:
+    """Train mode with the config's dropout: every rank returns the same output (the last gather puts one
+    sequence back together); the dropout module `probe` (on split tokens, after a Row) draws its own mask on
+    each rank; activation checkpointing replays the masks (same gradients)."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name)
+    inputs = verify.example_inputs(full, seq=8)
+    results, grads, masks = {}, [], []
+    for checkpointing in (False, True):
+        sp = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), sequence_parallel=True).train()
+        if checkpointing:
+            sp.gradient_checkpointing_enable()
+        sp.get_submodule(probe).register_forward_hook(lambda m, a, out: masks.append((out == 0).contiguous()))
+        torch.manual_seed(1234)  # the same seed on every rank, as a training script sets it
+        out = verify.main_output(sp(**inputs))
+        everyone = [torch.empty_like(out) for _ in range(ws)]
+        dist.all_gather(everyone, out.detach().contiguous())
+        results[f"ranks_agree_{checkpointing}"] = all(torch.equal(everyone[0], o) for o in everyone)
+        out.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in sp.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(
+                out, verify.main_output(sp.eval()(**inputs)))
+    results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    everyone = [torch.empty_like(masks[0]) for _ in range(ws)]
+    dist.all_gather(everyone, masks[0])
+    results["mask_shape"] = tuple(masks[0].shape)
+    results["masks_differ"] = all(not torch.equal(everyone[0], m) for m in everyone[1:])
+    return results
+
+
+def refused_case(ref: str, class_name: str) -> dict:
+    """apply(sequence_parallel=True) on a model it cannot run: the error, and the model left as it was."""
+    from rank_cases import same_signature, state_signature
+
+    model = verify.build_model(ref, 0, class_name)
+    before = state_signature(model)
+    try:
+        tpmap.apply(model, dist.get_world_size(), mapping=verify.resolve(ref), sequence_parallel=True)
+    except tpmap.TpmapError as e:
+        return {"error": type(e).__name__, "message": str(e), "untouched": same_signature(before, state_signature(model))}
+    return {"error": None, "message": "", "untouched": False}
