@@ -59,10 +59,11 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
         if self.seq is not None and self.seq.active:  # x: this rank's tokens, or all, gathered upstream
-            x = self.seq.column_input(x, self)  # (..., T, in) whole sequence
-        elif self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
-            x = copy_to_tp_region(x, self.tp_group)
-        y = _matmul(x, self.weight, self.reverse)
+            y = self.seq.column_matmul(x, self)  # (..., T, out/ws): keeps only this rank's tokens for backward
+        else:
+            if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
+                x = copy_to_tp_region(x, self.tp_group)
+            y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tpmap.errors import SequenceParallelError
 
 from . import rng
-from .collectives import gather_from_sequence_region, split_to_sequence_region
+from .collectives import _all_gather_along, gather_from_sequence_region, split_to_sequence_region
 
 SEQ_DIM = 1  # the hidden states between blocks are (B, T, H), batch first
 
@@ -141,6 +142,30 @@ class _Mark(torch.autograd.Function):
         return grad, None, None
 
 
+class _SeqLinear(torch.autograd.Function):
+    """y = x_full A (a Column's product; x_full is all-gathered along dim -2) saving only this rank's chunk
+    x_local of x_full, all-gathered again in backward for A's gradient (Megatron's SP linear): the whole
+    sequence is never held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_full, x_local, weight, reverse, group):
+        ctx.save_for_backward(x_local, weight)
+        ctx.reverse, ctx.group = reverse, group
+        return x_full @ weight if reverse else F.linear(x_full, weight)  # (.., T, out/ws)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (.., T, out/ws)
+        x_local, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.t() if ctx.reverse else grad @ weight  # (.., T, in): this rank's partial sum
+        if ctx.needs_input_grad[2]:
+            x_full = _all_gather_along(x_local, ctx.group, -2).reshape(-1, x_local.shape[-1])  # (B*T, in)
+            g = grad.reshape(-1, grad.shape[-1])  # (B*T, out/ws)
+            grad_w = x_full.t() @ g if ctx.reverse else g.t() @ x_full
+        return grad_x, None, grad_w, None, None
+
+
 class SequenceState:
     """Per-model state shared by the hooks and the Columns/Rows of the blocks: whether this forward runs
     split (`active`: the sequence length divides by ws), and its whole token count (B * T)."""
@@ -149,18 +174,27 @@ class SequenceState:
         self.group, self.ws = group, dist.get_world_size(group)
         self.active = False
         self.tokens = 0  # B * T of the whole sequence in this forward
-        self._shared: tuple | None = None  # (x, gathered x): siblings reading one tensor share one gather
+        self._shared: tuple | None = None  # (x, gathered x, x detached): siblings share one gather
+        self._parent: tuple | None = None  # (gathered, this rank's chunk) of the last parent's input
         self._task, self._split = None, False  # the backward (graph task) last marked, and its kind
 
     # -- called by ColumnParallelLinear / RowParallelLinear while active --------------------------------
-    def column_input(self, x: torch.Tensor, column) -> torch.Tensor:
-        if not column.seq_gathers:  # the parent gathered it
+    def column_matmul(self, x: torch.Tensor, column) -> torch.Tensor:
+        """A Column's product on the whole sequence, (..., T/ws or T, in) -> (..., T, out/ws): gathered here
+        (siblings reading one tensor share the gather) or by the parent. Saves only this rank's tokens."""
+        if column.seq_gathers:
+            if self._shared is None or self._shared[0] is not x:
+                self._check(x, self.tokens // self.ws, column, "input")
+                self._shared = (x, gather_from_sequence_region(x, self.group, -2), x.detach())
+            _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
+        else:
             self._check(x, self.tokens, column, "input")
-            return x
-        if self._shared is None or self._shared[0] is not x:
-            self._check(x, self.tokens // self.ws, column, "input")
-            self._shared = (x, gather_from_sequence_region(x, self.group, -2))  # (.., T/ws, in) -> (.., T, in)
-        return self._shared[1]
+            full = x
+            local = self._parent[1] if self._parent is not None and self._parent[0] is x else None
+            if local is None:  # gathered by the parent from a tensor it did not record: cut this rank's chunk
+                local = x.detach().narrow(-2, dist.get_rank(self.group) * (x.shape[-2] // self.ws),
+                                          x.shape[-2] // self.ws).contiguous()
+        return _SeqLinear.apply(full, local, column.weight, column.reverse, self.group)
 
     def row_partial(self, y: torch.Tensor, row) -> torch.Tensor:
         self._check(y, self.tokens, row, "output")
@@ -183,7 +217,7 @@ class SequenceState:
                                             "not hidden states (B, T, H)")
             self.active = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
-            self._shared = None
+            self._shared = self._parent = None
             return put(split_to_sequence_region(hidden, self.group, SEQ_DIM) if self.active else hidden)
         return hook
 
@@ -195,7 +229,9 @@ class SequenceState:
             raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} holds Columns but takes "
                                         f"{type(hidden).__name__} first, not the hidden states")
         self._check(hidden, self.tokens // self.ws, module, "input")
-        return put(gather_from_sequence_region(hidden, self.group, -2))  # (B, T/ws, H) -> (B, T, H)
+        full = gather_from_sequence_region(hidden, self.group, -2)  # (B, T/ws, H) -> (B, T, H)
+        self._parent = (full, hidden.detach())
+        return put(full)
 
     def enter_block(self, module, args, kwargs):
         if self.active and module.training:  # this rank's tokens: their own dropout masks
@@ -208,7 +244,7 @@ class SequenceState:
         return None
 
     def gather_last_output(self, module, args, output):
-        self._shared = None
+        self._shared = self._parent = None
 
         def gather(y):  # (B, T/ws, H) -> (B, T, H); backward: this rank's chunk (what follows is replicated)
             if self.active:
