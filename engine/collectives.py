@@ -9,6 +9,15 @@ for a group of size 1. Shapes: the split is always along the last dim (features)
 The last is for a statistic summed over split features (a Norm's sum of squares) that every rank
 then uses for its own features only: each rank's loss depends on the total through its own slice, so
 the total's gradient is the sum of every rank's, and each rank's term receives all of it.
+
+Sequence parallelism (Megatron-SP, `engine.sequence`) splits tokens instead, along a given `dim`
+(rank r holds chunk r of ws equal chunks):
+
+    split_to_sequence_region           forward: keep this rank's chunk   backward: all-gather
+    gather_from_sequence_region        forward: all-gather               backward: reduce-scatter (sum,
+                                                                          keep this rank's chunk), or
+                                                                          with reduce_grad=False keep it
+    reduce_scatter_to_sequence_region  forward: reduce-scatter           backward: all-gather
 """
 from __future__ import annotations
 
@@ -78,6 +87,81 @@ class _SumOverTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
+def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """(.., n, ..) at `dim` -> (.., ws * n, ..), rank-major."""
+    first = x.movedim(dim, 0).contiguous()  # (n, ...): each rank's chunk one block of memory
+    out = first.new_empty((dist.get_world_size(group) * first.shape[0], *first.shape[1:]))
+    dist.all_gather_into_tensor(out, first, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """(.., ws * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
+    first = x.movedim(dim, 0).contiguous()
+    out = first.new_empty((first.shape[0] // dist.get_world_size(group), *first.shape[1:]))
+    dist.reduce_scatter_tensor(out, first, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _chunk_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """(.., ws * n, ..) at `dim` -> this rank's chunk (.., n, ..), no communication."""
+    n = x.shape[dim] // dist.get_world_size(group)
+    return x.narrow(dim, dist.get_rank(group) * n, n).contiguous()
+
+
+class _SplitToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _chunk_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, reduce_grad):
+        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
+        return _all_gather_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # reduce_grad: what follows is tensor-parallel (each rank's grad is a partial sum over its
+        # features); else what follows is replicated and every rank already holds the whole grad
+        pick = _reduce_scatter_along if ctx.reduce_grad else _chunk_along
+        return pick(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+def split_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Enter the sequence-parallel region: keep this rank's chunk of `dim` (all-gather backward)."""
+    return x if _world(group) == 1 else _SplitToSeq.apply(x, group, dim)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group, dim: int, reduce_grad: bool = True) -> torch.Tensor:
+    """All-gather the chunks of `dim`. Backward: reduce-scatter into a tensor-parallel region (a Column
+    follows), or with ``reduce_grad=False`` keep this rank's chunk (replicated computation follows)."""
+    return x if _world(group) == 1 else _GatherFromSeq.apply(x, group, dim, reduce_grad)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Leave a tensor-parallel region into the sequence-parallel one: sum over ranks and keep this rank's
+    chunk of `dim` (a Row's partial products; all-gather backward). Same bytes as an all-reduce."""
+    return x if _world(group) == 1 else _ReduceScatterToSeq.apply(x, group, dim)
 
 
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:

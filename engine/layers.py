@@ -16,13 +16,20 @@ from torch import nn
 import torch.distributed as dist
 
 from . import rng
-from .collectives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, sum_over_tp_region
+from .collectives import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    sum_over_tp_region,
+)
 
 
 class _TPModule(nn.Module):
     """Base: holds the process group outside the module tree (a group cannot be deep-copied or saved)."""
 
     tp_group = None
+    seq = None  # sequence parallelism's per-model state (engine.sequence), set on Columns and Rows in blocks
 
     def __init__(self, group):
         super().__init__()
@@ -51,14 +58,18 @@ class ColumnParallelLinear(_TPModule):
         self.register_buffer("gather_order", gather_order, persistent=False)
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
-        if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
-            x = copy_to_tp_region(x, self.tp_group)
-        y = _matmul(x, self.weight, self.reverse)
+        if self.seq is not None and self.seq.active:  # x: this rank's tokens, or all, gathered upstream
+            y = self.seq.column_matmul(x, self)  # (..., T, out/ws): keeps only this rank's tokens for backward
+        else:
+            if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
+                x = copy_to_tp_region(x, self.tp_group)
+            y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
             return gather_from_tp_region(y, self.tp_group, self.gather_order)
-        if self.training:  # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
+        if self.training and not (self.seq is not None and self.seq.active):  # (SP: the block entered it)
+            # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
             rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device)
         return y
 
@@ -80,8 +91,13 @@ class RowParallelLinear(_TPModule):
         self.weight, self.bias, self.reverse = weight, bias, reverse
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
-        rng.leave_sharded_region()
-        y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group)
+        if self.seq is not None and self.seq.active:  # (..., T, in/ws) -> (..., T/ws, out): reduce-scatter
+            # the block, not the Row, leaves the dropout region: what follows holds this rank's tokens
+            y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),
+                                                  self.tp_group, -2)
+        else:
+            rng.leave_sharded_region()
+            y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

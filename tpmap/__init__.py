@@ -23,6 +23,7 @@ from .errors import (
     ModuleKindError,
     PatternMatchError,
     ProcessGroupError,
+    SequenceParallelError,
     TpmapError,
     UnknownModelTypeError,
     UnsupportedConfigError,
@@ -38,4 +39,5 @@ __all__ = [
     "PatternMatchError", "ModuleKindError", "ConfigAttributeError", "DivisibilityError", "ProcessGroupError",
     "AlreadyAppliedError", "MetaDeviceError", "MissingInputError", "UnsupportedConfigError",
     "from_pretrained", "save_pretrained", "CheckpointError", "LoadError", "PartialMappingWarning",
+    "SequenceParallelError",
 ]

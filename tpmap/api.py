@@ -19,12 +19,14 @@ from .errors import (
     MetaDeviceError,
     ProcessGroupError,
     PartialMappingWarning,
+    SequenceParallelError,  # noqa: F401  (raised by engine.sequence.build)
 )
 from .loader import LoadedMapping, SourceMap, for_model_type, load_file
 from .schema import Mapping
 
 PLAN_ATTR = "tpmap_plan"  # the applied Plan is kept on the model under this name
 GROUP_ATTR = "tpmap_group"  # and the process group it was sharded over (None: the default group)
+SEQUENCE_ATTR = "tpmap_sequence"  # sequence parallelism's state (engine.sequence), when it is on
 
 
 def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
@@ -99,7 +101,7 @@ def resolve_group(world_size: int | None, group) -> tuple[int, int]:
 
 
 def apply(model: nn.Module, world_size: int | None = None, *, group=None, mapping=None,
-          loss_parallel: bool = False, check_inputs: bool = True) -> nn.Module:
+          loss_parallel: bool = False, check_inputs: bool = True, sequence_parallel: bool = False) -> nn.Module:
     """Shard `model` in place for tensor parallelism and return it.
 
     Every check happens before the model is touched, so an error leaves it exactly as it was.
@@ -118,6 +120,10 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       training mode, of the RNG state) across ranks -- one all-gather of 5 numbers -- and raises
       `InputMismatchError` naming the arguments that differ, instead of hanging or computing garbage.
       ``generate`` also compares its arguments (max_new_tokens, ...) once per call.
+    * ``sequence_parallel``: keep the activations between the repeated blocks split along the sequence
+      (Megatron-SP; `tpmap.engine.sequence`): norms, dropout and residual adds run on T/ws tokens per rank.
+      A forward whose sequence length does not divide by the world size runs as plain TP. Models it
+      cannot run (several block stacks, MoE, SSM mixers) raise `SequenceParallelError` here.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 
@@ -139,9 +145,18 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
     plan = planning.build(model, loaded, tp_size)
     check_loss_parallel(plan, loaded, model, loss_parallel)
+    sequence = sequence_plan(model, plan, sequence_parallel)
     if tp_size == 1:
         return model
-    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs)
+    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
+                   sequence=sequence)
+
+
+def sequence_plan(model: nn.Module, plan, sequence_parallel: bool):
+    """Where sequence parallelism's collectives go (None when off); raises SequenceParallelError first."""
+    from tpmap.engine import sequence
+
+    return sequence.build(model, plan) if sequence_parallel else None
 
 
 def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
@@ -154,10 +169,11 @@ def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_para
 
 
 def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool, check_inputs: bool,
-            read=None) -> nn.Module:
+            read=None, sequence=None) -> nn.Module:
     """Execute a checked plan on `model` for this rank and attach what a tensor-parallel model carries (the
     plan, loss_parallel, the input check). `read` gives each split tensor's local part (default: sliced
     from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
+    from tpmap.engine import sequence as sequence_parallel
     from tpmap.engine import shard
 
     params_full = sum(p.numel() for p in model.parameters())
@@ -166,6 +182,8 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
     setattr(model, GROUP_ATTR, group)  # full_state_dict and save_pretrained default to it
     if plan.kept_whole and tp_rank == 0:
         _warn_partial(plan, sum(p.numel() for p in model.parameters()) / max(params_full, 1))
+    if sequence is not None:
+        setattr(model, SEQUENCE_ATTR, sequence_parallel.install(model, sequence, group))
     if loss_parallel:
         head = next(m for m in plan.modules if m.style == "vocab_head")
         _use_loss_parallel(model, model.get_submodule(head.name))

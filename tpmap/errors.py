@@ -108,6 +108,11 @@ class CheckpointError(TpmapError):
     """A checkpoint folder or file is missing, truncated, in an unsupported format, or disagrees with its config."""
 
 
+class SequenceParallelError(TpmapError):
+    """`sequence_parallel=True` was asked of a model whose blocks cannot run on sequence-split tokens (several
+    block stacks, MoE experts, SSM mixers, convolutions), or a forward broke its assumptions."""
+
+
 class LoadError(TpmapError):
     """Loading failed on another rank (every rank raises, so none is left waiting in a collective)."""
 

@@ -46,7 +46,8 @@ _NOT_HERE = {
 
 
 def from_pretrained(path, *, world_size: int | None = None, group=None, model_class=None, dtype=None, device=None,
-                    mapping=None, loss_parallel: bool = False, check_inputs: bool = True, **hf_kwargs):
+                    mapping=None, loss_parallel: bool = False, check_inputs: bool = True,
+                    sequence_parallel: bool = False, **hf_kwargs):
     """Load a tensor-parallel model from a local transformers checkpoint folder, on every rank.
 
     Each rank reads only its slices of the safetensors files (single-file or sharded with
@@ -57,7 +58,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
       ``config.architectures``).
     * ``dtype``: as transformers' (default ``"auto"``: the config's dtype).
     * ``device``: where this rank's tensors go, e.g. ``f"cuda:{local_rank}"`` (default: CPU).
-    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``: as `tpmap.apply`.
+    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``: as
+      `tpmap.apply`.
     * ``hf_kwargs``: what transformers' `from_pretrained` takes for a local folder: config overrides,
       ``attn_implementation``, ``experts_implementation``, ``key_mapping``, ``variant``, ``subfolder``,
       ``generation_config``, ``trust_remote_code``, ``output_loading_info`` (then returns
@@ -116,6 +118,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     _tie(model, reader, hf_modeling.logger)
     plan = planning.build(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
+    sequence = api.sequence_plan(model, plan, sequence_parallel)
     missing = _missing(model, sources)
 
     def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
@@ -130,7 +133,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         _initialize_missing(model, missing, device)
         progress.total = _load_whole(model, plan if tp_size > 1 else None, tp_rank, reader, sources)
         if tp_size > 1:
-            api.install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs, read=read)
+            api.install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs, read=read,
+                        sequence=sequence)
         _check_materialized(model)
     except Exception as e:  # every rank must learn of it (below) before raising, or the others would hang later
         failure = e

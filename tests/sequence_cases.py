@@ -1,0 +1,172 @@
+"""Functions the sequence-parallelism tests run on every rank (tests/test_sequence_parallel.py). Each builds
+the unsharded model, a plain-TP copy and a sequence-parallel copy in the same run and compares them."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import tpmap
+from tpmap import verify
+from tpmap.engine.collectives import counting_collectives
+
+from rank_cases import _grad_report, in_dtype, loss_kwargs, zero_dropout_
+
+
+def _weighted(y: torch.Tensor) -> torch.Tensor:
+    """A loss for a model without labels (as rank_cases.loss_of, from an output already computed)."""
+    return (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)).sum() / y.numel()
+
+
+def _models(ref: str, class_name: str, dtype: torch.dtype = torch.float32):
+    """(unsharded, plain TP, sequence-parallel), all from the same verify-config weights."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name).to(dtype)
+    tp = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    sp = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), sequence_parallel=True)
+    return full, tp, sp
+
+
+def _block_input_tokens(model) -> list:
+    """Hooks that record the sequence length each block's hidden-state input has (the first argument)."""
+    from tpmap.lint.rules import block_prefixes
+
+    plan = model.tpmap_plan
+    base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
+    seen: list = []
+    for name in block_prefixes(base)[1:2]:  # block 1: between two blocks, inside the SP region
+        block = base.get_submodule(name)
+        block.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(
+                (args[0] if args else next(iter(kwargs.values()))).shape[1]), with_kwargs=True)
+    return seen
+
+
+def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq: int = 8, train: bool = False,
+              checkpointing: bool = False) -> dict:
+    """Logits and one backward of a transformers loss: SP against the unsharded model and against plain TP.
+    `train`: train mode with dropout 0 (exercises the dropout-region hooks); `checkpointing` implies it."""
+    rank = dist.get_rank()
+    full, tp, sp = _models(ref, class_name, dtype)
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.example_inputs(full, seq=seq), dtype))
+    seen = _block_input_tokens(sp)
+    if train or checkpointing:
+        for m in (full, tp, sp):
+            zero_dropout_(m)
+            m.train()
+    if checkpointing:
+        sp.gradient_checkpointing_enable()
+    outs = {}
+    for key, model in (("full", full), ("tp", tp), ("sp", sp)):
+        out = model(**inputs)
+        y = verify.main_output(out)
+        outs[key] = y.detach()
+        (out.loss if has_labels else _weighted(y)).backward()
+    scale = outs["full"].abs().max().item()
+    tp_grads = {n: p.grad for n, p in tp.named_parameters()}
+    worst_tp = 0.0
+    global_max = max(g.abs().max().item() for g in tp_grads.values() if g is not None)
+    for n, p in sp.named_parameters():
+        if p.grad is None or tp_grads[n] is None:
+            assert (p.grad is None) == (tp_grads[n] is None), n
+            continue
+        denom = max(tp_grads[n].abs().max().item(), 1e-2 * global_max)
+        worst_tp = max(worst_tp, (p.grad - tp_grads[n]).abs().max().item() / denom)
+    report = _grad_report(full, sp, rank)
+    return {"logits_vs_full": (outs["sp"] - outs["full"]).abs().max().item() / scale,
+            "logits_vs_tp": (outs["sp"] - outs["tp"]).abs().max().item() / scale,
+            "grad_vs_full": report["worst_rel"], "grad_worst": report["worst_name"], "checked": report["checked"],
+            "grad_vs_tp": worst_tp, "block1_tokens": seen, "seq": seq}
+
+
+def generate_case(ref: str, class_name: str, prompt_len: int = 8, new_tokens: int = 12) -> dict:
+    """Greedy generate (batch 2, left-padded): the prefill runs split, the decode steps (T = 1) as plain TP."""
+    full, tp, sp = _models(ref, class_name)
+    cfg = full.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    prompt = torch.randint(3, cfg.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = pad, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=pad)
+    seen = _block_input_tokens(sp)
+    want, plain, got = (m.generate(prompt, **kwargs) for m in (full, tp, sp))
+    return {"same_as_full": torch.equal(want, got), "same_as_tp": torch.equal(plain, got),
+            "block1_tokens": seen[:3]}
+
+
+def collectives_case(ref: str, class_name: str, seq: int = 8) -> dict:
+    """Collectives of one eval forward with and without SP (input check off)."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name)
+    inputs = verify.example_inputs(full, seq=seq)
+    counts = {}
+    for key, on in (("tp", False), ("sp", True)):
+        model = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), sequence_parallel=on,
+                            check_inputs=False)
+        with torch.no_grad(), counting_collectives() as c:
+            model(**inputs)
+        counts[key] = dict(c)
+    return counts
+
+
+def mixed_backward_case(ref: str, class_name: str) -> dict:
+    """Forwards of a divisible and a non-divisible length in one backward must raise, not sum wrong."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name)
+    sp = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), sequence_parallel=True)
+    a = verify.example_inputs(full, seq=8)
+    b = verify.example_inputs(full, seq=7)
+    loss = verify.main_output(sp(**a)).square().mean() + verify.main_output(sp(**b)).square().mean()
+    try:
+        loss.backward()
+    except tpmap.SequenceParallelError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    except RuntimeError as e:  # autograd may wrap it
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "message": ""}
+
+
+def dropout_case(ref: str, class_name: str, probe: str) -> dict:
+    """Train mode with the config's dropout: every rank returns the same output (the last gather puts one
+    sequence back together); the dropout module `probe` (on split tokens, after a Row) draws its own mask on
+    each rank; activation checkpointing replays the masks (same gradients)."""
+    ws = dist.get_world_size()
+    full = verify.build_model(ref, 0, class_name)
+    inputs = verify.example_inputs(full, seq=8)
+    results, grads, masks = {}, [], []
+    for checkpointing in (False, True):
+        sp = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), sequence_parallel=True).train()
+        if checkpointing:
+            sp.gradient_checkpointing_enable()
+        sp.get_submodule(probe).register_forward_hook(lambda m, a, out: masks.append((out == 0).contiguous()))
+        torch.manual_seed(1234)  # the same seed on every rank, as a training script sets it
+        out = verify.main_output(sp(**inputs))
+        everyone = [torch.empty_like(out) for _ in range(ws)]
+        dist.all_gather(everyone, out.detach().contiguous())
+        results[f"ranks_agree_{checkpointing}"] = all(torch.equal(everyone[0], o) for o in everyone)
+        out.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in sp.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(
+                out, verify.main_output(sp.eval()(**inputs)))
+    results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    everyone = [torch.empty_like(masks[0]) for _ in range(ws)]
+    dist.all_gather(everyone, masks[0])
+    results["mask_shape"] = tuple(masks[0].shape)
+    results["masks_differ"] = all(not torch.equal(everyone[0], m) for m in everyone[1:])
+    return results
+
+
+def refused_case(ref: str, class_name: str) -> dict:
+    """apply(sequence_parallel=True) on a model it cannot run: the error, and the model left as it was."""
+    from rank_cases import same_signature, state_signature
+
+    model = verify.build_model(ref, 0, class_name)
+    before = state_signature(model)
+    try:
+        tpmap.apply(model, dist.get_world_size(), mapping=verify.resolve(ref), sequence_parallel=True)
+    except tpmap.TpmapError as e:
+        return {"error": type(e).__name__, "message": str(e), "untouched": same_signature(before, state_signature(model))}
+    return {"error": None, "message": "", "untouched": False}
