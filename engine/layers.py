@@ -23,6 +23,7 @@ class _TPModule(nn.Module):
     """Base: holds the process group outside the module tree (a group cannot be deep-copied or saved)."""
 
     tp_group = None
+    dropout_watch = None  # rng.DropoutWatch of the model (engine.shard), for the compiled RNG region
 
     def __init__(self, group):
         super().__init__()
@@ -43,6 +44,8 @@ class ColumnParallelLinear(_TPModule):
     Example (2 ranks): an nn.Linear(8, 6) becomes weight (3, 8) per rank; X (B, T, 8) -> Y_r (B, T, 3).
     """
 
+    shared_copy = None  # collectives.SharedCopy of the Columns of one module (engine.shard), else None
+
     def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
                  copy_input=True):
         super().__init__(group)
@@ -52,14 +55,14 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
         if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
-            x = copy_to_tp_region(x, self.tp_group)
+            x = copy_to_tp_region(x, self.tp_group) if self.shared_copy is None else self.shared_copy(x, self.tp_group)
         y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
             return gather_from_tp_region(y, self.tp_group, self.gather_order)
         if self.training:  # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
-            rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device)
+            rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device, self.dropout_watch)
         return y
 
     def extra_repr(self) -> str:
@@ -80,8 +83,9 @@ class RowParallelLinear(_TPModule):
         self.weight, self.bias, self.reverse = weight, bias, reverse
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
-        rng.leave_sharded_region()
-        y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group)
+        if self.training:
+            rng.leave_sharded_region(self.dropout_watch)
+        y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -151,7 +155,7 @@ class VocabParallelEmbedding(nn.Embedding):
         out = F.embedding(local_ids, self.weight, self.padding_idx, None, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp_group)
+        return reduce_from_tp_region(out, self.tp_group, fresh=True)
 
     def extra_repr(self) -> str:
         return f"rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, local={tuple(self.weight.shape)}"
