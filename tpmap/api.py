@@ -192,6 +192,8 @@ def _same_inputs_on_every_rank(model: nn.Module, group):
     positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():  # the fingerprint reads values into Python floats: a graph
+            return  # break each; compiled forwards go unchecked (README, "torch.compile")
         tensors = _tensors(args, kwargs, positional)
         device = tensors[0][1].device if tensors else torch.device("cpu")
         rng_state = torch.get_rng_state() if module.training else None
