@@ -10,6 +10,12 @@ The last is for a statistic summed over split features (a Norm's sum of squares)
 then uses for its own features only: each rank's loss depends on the total through its own slice, so
 the total's gradient is the sum of every rank's, and each rank's term receives all of it.
 
+Two implementations of the same collectives: eagerly, `torch.distributed`'s in-place calls (on a copy
+where autograd may still read the tensor; in place on a fresh result without autograd); under
+`torch.compile`, torch's functional collectives (out of place, traced by dynamo into the graph, no
+graph break). Eager gloo runs the functional ones ~10-40% slower per call (their async wrapper), so
+they are used only while compiling.
+
 Sequence parallelism (Megatron-SP, `engine.sequence`) splits tokens instead, along a given `dim`
 (rank r holds chunk r of ws equal chunks):
 
@@ -26,15 +32,31 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 def _world(group) -> int:
     return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
 
 
-def _all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
+    """The sum over the group, a new tensor unless `fresh` (t is a temporary nobody else reads: summed in place)."""
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD)
+    t = t.contiguous() if fresh else t.contiguous().clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """(..., F/ws) -> (..., ws * F/ws), rank-major along the last dim."""
+    ws = dist.get_world_size(group)
+    if torch.compiler.is_compiling():
+        stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
+        return torch.cat(stacked.chunk(ws, dim=0), dim=-1)  # (ws * B, ..., F/ws) -> (B, ..., ws * F/ws)
+    parts = [torch.empty_like(x) for _ in range(ws)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -45,13 +67,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_(grad.contiguous().clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None  # a copy: autograd may hand the same grad to other nodes
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce_(x.contiguous().clone(), group)  # a copy: never write into autograd's inputs
+        return _all_reduce(x, group)  # a copy: never write into autograd's inputs
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,10 +85,7 @@ class _GatherFromTP(torch.autograd.Function):
     def forward(ctx, x, group, rank, order):
         # x: (..., F/ws) -> (..., F); `order` puts the rank-major concatenation back into feature order
         ctx.group, ctx.rank, ctx.order, ctx.local = group, rank, order, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        y = torch.cat(parts, dim=-1)  # (..., ws * F/ws), rank-major
-        return y if order is None else y.index_select(-1, order)
+        return _gather_in_order(x, group, order)
 
     @staticmethod
     def backward(ctx, grad):
@@ -82,11 +101,21 @@ class _SumOverTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_reduce_(x.contiguous().clone(), group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_(grad.contiguous().clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None
+
+
+def _gather_in_order(x: torch.Tensor, group, order: torch.Tensor | None) -> torch.Tensor:
+    y = _all_gather(x, group)  # (..., ws * F/ws), rank-major
+    return y if order is None else y.index_select(-1, order)
+
+
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records an op on x (else the collectives skip their autograd Function)."""
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -166,40 +195,71 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch
 
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward.
-
-    Several Columns reading the same tensor (q, k and v; gate and up) share one copy, so their input
-    gradients are summed first and all-reduced once, as with Megatron's fused QKV layer (the sum of
-    all-reduces is the all-reduce of the sum). Without autograd there is nothing to do.
-    """
-    if _world(group) == 1 or not (x.requires_grad and torch.is_grad_enabled()):
+    Without autograd there is nothing to do. Columns reading one tensor share one copy: `SharedCopy`."""
+    if _world(group) == 1 or not _recorded(x):
         return x
-    shared = getattr(x, "_tpmap_copy", None)
-    if shared is not None and shared[0] is group:
-        return shared[1]
-    y = _CopyToTP.apply(x, group)
-    if x.grad_fn is not None:  # an activation of this forward; a user's leaf may outlive its graph
-        x._tpmap_copy = (group, y)
-    return y
+    return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
-    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+class SharedCopy:
+    """One copy_to_tp_region per tensor for the Columns of one module (q, k and v; gate and up), so their
+    input gradients are summed first and all-reduced once, as with Megatron's fused QKV layer (the sum
+    of all-reduces is the all-reduce of the sum).
+
+    The module's forward opens a scope (`open`, a pre-hook) that remembers the copies made in it by
+    tensor identity, and closes it (`close`, a hook); a Column called outside the scope copies alone.
+    Plain Python state on a module-held object, so dynamo traces it (a tensor attribute would break
+    the graph), and nothing outlives the module's forward.
+    """
+
+    def __init__(self):
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (input, its copy) in the scope
+
+    def open(self, *_):
+        self.copies = []
+
+    def close(self, *_):
+        self.copies = None
+
+    def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
+        if self.copies is None:
+            return copy_to_tp_region(x, group)
+        for seen, y in self.copies:
+            if seen is x:
+                return y
+        y = copy_to_tp_region(x, group)
+        self.copies.append((x, y))
+        return y
+
+
+def reduce_from_tp_region(x: torch.Tensor, group=None, *, fresh: bool = False) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward.
+    `fresh`: x is a temporary only this call reads (a matmul's result), so without autograd it is
+    summed in place, with no copy."""
+    if _world(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group) if _recorded(x) else _all_reduce(x, group, fresh)
 
 
 def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | None = None) -> torch.Tensor:
     """All-gather the last dim; `order` (optional) maps the rank-major concatenation to feature order."""
     if _world(group) == 1:
         return x
+    if not _recorded(x):
+        return _gather_in_order(x, group, order)
     return _GatherFromTP.apply(x, group, dist.get_rank(group), order)
 
 
 def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a partial statistic over the ranks whose results stay rank-local: all-reduce both ways."""
-    return x if _world(group) == 1 else _SumOverTP.apply(x, group)
+    if _world(group) == 1:
+        return x
+    return _SumOverTP.apply(x, group) if _recorded(x) else _all_reduce(x, group, fresh=True)
 
 
 _COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+_FUNCOL_COUNTED = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather",
+                   "reduce_scatter_tensor": "reduce_scatter_tensor"}  # functional name -> counted as
 
 
 class CollectiveCounts(Counter):
@@ -223,10 +283,12 @@ def _payload(args, kwargs) -> int:
 def counting_collectives():
     """Count the torch.distributed collectives issued inside the block (by name), e.g. per forward:
     ``with counting_collectives() as counts: model(**inputs)`` -> ``{"all_reduce": 5, "all_gather": 2}``,
-    with ``counts.bytes`` the bytes per name. Counts the real calls on their way through; for reports
-    and tests, not for production loops."""
+    with ``counts.bytes`` the bytes per name. Counts the real calls on their way through, eager
+    `torch.distributed` and functional collectives alike (under torch.compile: the calls traced, not those
+    a compiled graph replays); for reports and tests, not for production loops."""
     counts = CollectiveCounts()
-    originals = {name: getattr(dist, name) for name in _COUNTED}
+    originals = [(dist, name, name) for name in _COUNTED] + [(funcol, f, n) for f, n in _FUNCOL_COUNTED.items()]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in originals]
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -235,10 +297,10 @@ def counting_collectives():
             return fn(*args, **kwargs)
         return call
 
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
+    for (module, name, counted_as), (_, _, fn) in zip(originals, saved):
+        setattr(module, name, counted(counted_as, fn))
     try:
         yield counts
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)

@@ -30,6 +30,7 @@ class _TPModule(nn.Module):
 
     tp_group = None
     seq = None  # sequence parallelism's per-model state (engine.sequence), set on Columns and Rows in blocks
+    dropout_watch = None  # rng.DropoutWatch of the model (engine.shard), for the compiled RNG region
 
     def __init__(self, group):
         super().__init__()
@@ -50,6 +51,8 @@ class ColumnParallelLinear(_TPModule):
     Example (2 ranks): an nn.Linear(8, 6) becomes weight (3, 8) per rank; X (B, T, 8) -> Y_r (B, T, 3).
     """
 
+    shared_copy = None  # collectives.SharedCopy of the Columns of one module (engine.shard), else None
+
     def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
                  copy_input=True):
         super().__init__(group)
@@ -62,7 +65,8 @@ class ColumnParallelLinear(_TPModule):
             y = self.seq.column_matmul(x, self)  # (..., T, out/ws): keeps only this rank's tokens for backward
         else:
             if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
-                x = copy_to_tp_region(x, self.tp_group)
+                x = (copy_to_tp_region(x, self.tp_group) if self.shared_copy is None
+                     else self.shared_copy(x, self.tp_group))
             y = _matmul(x, self.weight, self.reverse)
         if self.bias is not None:
             y = y + self.bias
@@ -70,7 +74,7 @@ class ColumnParallelLinear(_TPModule):
             return gather_from_tp_region(y, self.tp_group, self.gather_order)
         if self.training and not (self.seq is not None and self.seq.active):  # (SP: the block entered it)
             # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)
-            rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device)
+            rng.enter_sharded_region(dist.get_rank(self.tp_group), y.device, self.dropout_watch)
         return y
 
     def extra_repr(self) -> str:
@@ -96,8 +100,9 @@ class RowParallelLinear(_TPModule):
             y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),
                                                   self.tp_group, -2)
         else:
-            rng.leave_sharded_region()
-            y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group)
+            if self.training:
+                rng.leave_sharded_region(self.dropout_watch)
+            y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -167,7 +172,7 @@ class VocabParallelEmbedding(nn.Embedding):
         out = F.embedding(local_ids, self.weight, self.padding_idx, None, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp_group)
+        return reduce_from_tp_region(out, self.tp_group, fresh=True)
 
     def extra_repr(self) -> str:
         return f"rows [{self.vocab_start}, {self.vocab_end}) of {self.num_embeddings}, local={tuple(self.weight.shape)}"

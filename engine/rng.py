@@ -13,12 +13,20 @@
 
 Regions are entered by `ColumnParallelLinear` (without gather_output) and left by `RowParallelLinear`,
 only in training mode; in eval mode nothing is drawn or swapped.
+
+Under torch.compile: dynamo cannot put RNG state changes in a graph (it graph-breaks on
+get/set_rng_state and manual_seed on purpose: AOT graphs drop them), and inductor draws a graph's
+random numbers from seeds taken at the graph's start. So in a model with dropout (`has_dropout`),
+entering and leaving a region run outside the graph (a graph break each), which keeps the masks
+rank-specific with any backend; in a model without dropout (the usual LLM config) a compiled
+training forward skips the swap, nothing being drawn inside. `DropoutWatch` tells which, per model.
 """
 from __future__ import annotations
 
 import threading
 
 import torch
+from torch import nn
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads rank offsets over the seed space
 _state = threading.local()
@@ -28,7 +36,49 @@ def in_sharded_region() -> bool:
     return getattr(_state, "saved", None) is not None
 
 
-def enter_sharded_region(tp_rank: int, device: torch.device) -> None:
+class DropoutWatch:
+    """Whether a model has dropout, for the compiled RNG region: scanned at apply and on every
+    ``model.train(...)`` call (see `engine.shard`); a probability raised later without calling
+    ``train()`` again is not seen. Eager forwards swap the generator in training mode regardless."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.present = has_dropout(model)
+
+    def rescan(self) -> None:
+        self.present = has_dropout(self.model)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Any dropout probability above 0: a Dropout module's p, or a float attribute of a module or of
+    its config whose name says dropout (``attention_dropout``, ``attn_pdrop``, ...)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for holder in (module, getattr(module, "config", None)):
+            for key, value in (vars(holder).items() if holder is not None else ()):
+                if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+                    return True
+    return False
+
+
+def enter_sharded_region(tp_rank: int, device: torch.device, watch: DropoutWatch | None = None) -> None:
+    if torch.compiler.is_compiling():
+        if watch is None or watch.present:
+            _enter_outside_graph(tp_rank, device)
+        return
+    _enter(tp_rank, device)
+
+
+def leave_sharded_region(watch: DropoutWatch | None = None) -> None:
+    if torch.compiler.is_compiling():
+        if watch is None or watch.present:
+            _leave_outside_graph()
+        return
+    _leave()
+
+
+def _enter(tp_rank: int, device: torch.device) -> None:
     if in_sharded_region():
         return  # q, k and v columns all open the same region
     seed = int(torch.randint(0, 2**62, (1,)).item())  # same draw on every rank
@@ -41,7 +91,7 @@ def enter_sharded_region(tp_rank: int, device: torch.device) -> None:
             torch.cuda.manual_seed(region_seed)
 
 
-def leave_sharded_region() -> None:
+def _leave() -> None:
     saved = getattr(_state, "saved", None)
     if saved is None:
         return
@@ -50,3 +100,7 @@ def leave_sharded_region() -> None:
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, device)
     _state.saved = None
+
+
+_enter_outside_graph = torch.compiler.disable(_enter, reason="tpmap: rank-specific RNG region (dropout)")
+_leave_outside_graph = torch.compiler.disable(_leave, reason="tpmap: rank-specific RNG region (dropout)")

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import weakref
+import types
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import copy_to_tp_region, reduce_from_tp_region
+from . import rng
+from .collectives import SharedCopy, copy_to_tp_region, reduce_from_tp_region
 from .layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -155,6 +157,43 @@ def execute(model: nn.Module, plan: Plan, rank: int, group, read=take) -> None:
             setattr(module, attr, new_params[id(old)])
     _set_attributes(model, plan, rank)
     _register_grad_hooks(model, plan, group)
+    _share_copies(model, plan)
+    _watch_dropout(model, new.values())
+
+
+def _share_copies(model: nn.Module, plan: Plan) -> None:
+    """The Columns of one module that copy their input (q, k and v; gate and up) share its copy: one
+    all-reduce of the input gradient instead of one each (`SharedCopy`, scoped to that module's forward)."""
+    siblings: dict[str, list[str]] = {}
+    for ms in plan.modules:
+        if ms.style == "column" and ms.copy_input:
+            siblings.setdefault(ms.name.rpartition(".")[0], []).append(ms.name)
+    for parent, names in siblings.items():
+        if len(names) < 2:
+            continue
+        shared = SharedCopy()
+        owner = model.get_submodule(parent)
+        owner.register_forward_pre_hook(shared.open)
+        owner.register_forward_hook(shared.close, always_call=True)
+        for name in names:
+            model.get_submodule(name).__dict__["shared_copy"] = shared
+
+
+def _watch_dropout(model: nn.Module, modules) -> None:
+    """Give the parallel modules the model's `rng.DropoutWatch` and rescan it on every ``model.train(...)``
+    (eval() calls train(False)): a bound method on the instance, so a deep copy rebinds it to the copy."""
+    watch = rng.DropoutWatch(model)
+    for module in modules:
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.__dict__["dropout_watch"] = watch
+    model.__dict__["tpmap_dropout_watch"] = watch
+    model.train = types.MethodType(_train_and_rescan, model)
+
+
+def _train_and_rescan(self: nn.Module, mode: bool = True) -> nn.Module:
+    type(self).train(self, mode)
+    self.tpmap_dropout_watch.rescan()
+    return self
 
 
 def _cut(model: nn.Module, t: ParamShard, rank: int, param, read):
