@@ -318,13 +318,13 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(ranks, tmp_path, ca
 
 
 def test_a_model_type_without_a_mapping(ranks, tmp_path):
-    from transformers import AutoConfig, XLNetLMHeadModel  # a model type without a shipped mapping
+    from transformers import AutoConfig, XLMWithLMHeadModel  # a model type without a shipped mapping
 
-    XLNetLMHeadModel(AutoConfig.for_model("xlnet", d_model=32, n_layer=1, n_head=2, d_inner=64,
-                                          vocab_size=64)).save_pretrained(tmp_path)
+    XLMWithLMHeadModel(AutoConfig.for_model("xlm", emb_dim=32, n_layers=1, n_heads=2,
+                                            vocab_size=64)).save_pretrained(tmp_path)
     results = ranks(2).run(cases.load_error, str(tmp_path), timeout=120)
     assert results[0] == results[1]
-    assert results[0]["error"][0] == "UnknownModelTypeError" and "'xlnet'" in results[0]["error"][1]
+    assert results[0]["error"][0] == "UnknownModelTypeError" and "'xlm'" in results[0]["error"][1]
 
 
 def test_a_rank_failing_while_reading_makes_every_rank_raise(ranks, tmp_path):

@@ -19,10 +19,11 @@ from tpmap.lint import lint_file
 PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta", "xlm-roberta", "camembert",
          "electra", "megatron-bert", "distilbert", "albert", "roformer", "deberta-v2", "mbart", "m2m_100",
          "clip_text_model"]
-# not plain: what the draft cannot split (MoE experts, an RWKV time mix, XLNet's relative attention) stays
-# whole, flagged, and the rest verifies unedited. Hand-written mappings for some of them ship by now; as
-# for PLAIN, the drafter reads nothing of those but a default_config, which the test checks they lack.
-NOT_PLAIN = ["llama4_text", "glm4_moe", "ernie4_5_moe", "lfm2", "rwkv", "xlnet"]
+# not plain: what the draft cannot split (MoE experts, a short-conv mixer) stays whole, flagged, and the
+# rest verifies unedited. Hand-written mappings for some of them ship by now; as for PLAIN, the drafter
+# reads nothing of those but a default_config, which the test checks they lack. xlm and ernie are not among
+# the 120 text architectures of issue 9 (they stay unmapped); they took the places of xlnet and rwkv.
+NOT_PLAIN = ["llama4_text", "glm4_moe", "ernie4_5_moe", "lfm2", "ernie", "xlm"]
 
 
 @pytest.fixture(scope="module")

@@ -124,16 +124,15 @@ def test_world_size_different_from_the_group(ranks):
 
 
 def test_model_type_without_a_mapping_lists_the_supported_ones():
-    from transformers import AutoConfig, XLNetLMHeadModel  # a model type without a shipped mapping
+    from transformers import AutoConfig, XLMWithLMHeadModel  # a model type without a shipped mapping
 
-    model = XLNetLMHeadModel(AutoConfig.for_model("xlnet", d_model=16, n_layer=1, n_head=2, d_inner=32,
-                                                  vocab_size=64))
+    model = XLMWithLMHeadModel(AutoConfig.for_model("xlm", emb_dim=16, n_layers=1, n_heads=2, vocab_size=64))
     before = rank_cases.state_signature(model)
     with pytest.raises(UnknownModelTypeError) as e:
         tpmap.apply(model, 1)
     for supported in loader.shipped_files():
         assert supported in str(e.value)
-    assert "'xlnet'" in str(e.value) and rank_cases.same_signature(before, rank_cases.state_signature(model))
+    assert "'xlm'" in str(e.value) and rank_cases.same_signature(before, rank_cases.state_signature(model))
 
 
 def test_mapping_for_another_model_type():
