@@ -192,6 +192,29 @@ def _kind(module) -> str:
     return ("nn." if cls.__module__.startswith("torch.nn") else "") + cls.__name__
 
 
+def _sequential_input_side(modules: dict, weights: list[str], m: _Matches, columns: set[str]) -> set[str]:
+    """Weights kept whole by a `replicated` pattern (they or a parent) that lie in an earlier child of an
+    nn.Sequential than some Column: the Sequential feeds them into it, so they are its input side."""
+    from torch import nn
+
+    kept = {n for ns in m.replicated for n in ns}
+
+    def is_kept(w: str) -> bool:
+        parts = w.split(".")
+        return any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1))
+
+    out: set[str] = set()
+    for name, mod in modules.items():
+        if not name or not isinstance(mod, nn.Sequential):
+            continue
+        children = [f"{name}.{c}" for c in mod._modules]
+        last = max((i for i, c in enumerate(children)
+                    if any(col == c or col.startswith(c + ".") for col in columns)), default=-1)
+        for c in children[:max(last, 0)]:
+            out.update(w for w in weights if (w == c or w.startswith(c + ".")) and is_kept(w))
+    return out
+
+
 def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
     """Column -> Row pairing, by the nearest weights around each sharded module.
 
@@ -205,6 +228,11 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
     ``encoder.relative_attention_bias``: a bias per head, added to every block's attention scores):
     its split output is consumed inside the blocks, so it pairs with a Row inside the repeated blocks
     of its nearest parent that holds any (the attention output of the heads it feeds).
+    Weights kept whole (``replicated``) that come before a Column in an nn.Sequential are that
+    Column's input side (a LoRA adapter ``Sequential(Linear(in -> rank), Linear(rank -> out))`` whose
+    up-projection ``.1`` is a Column and whose down-projection ``.0`` stays whole): in a Sequential
+    data flows in child order, so they cannot consume the split output, and they never count as
+    "other weights" in this walk (it goes on up to the Row that takes the sum the adapter adds to).
     Limits: the rule sees the module tree, not the data flow: a split output that reaches the wrong
     Row of the same scope passes here and fails `tpmap verify`.
     """
@@ -216,6 +244,8 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
     rows = {n for e, ns in zip(mapping.entries, m.entries) if isinstance(e, Row) for n in ns}
     cols = {n for e, ns in zip(mapping.entries, m.entries)
             if isinstance(e, Column) and not e.gather_output for n in ns}
+    input_side = _sequential_input_side(modules, weights, m, {n for e, ns in zip(mapping.entries, m.entries)
+                                                             if isinstance(e, Column) for n in ns})
     out = []
     for i, (entry, ns) in enumerate(zip(mapping.entries, m.entries)):
         if not isinstance(entry, (Column, Row)) or (isinstance(entry, Column) and entry.gather_output):
@@ -233,7 +263,8 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
                 scope = ".".join(parts[:k])
                 if block is not None and len(scope) < len(block):
                     break  # the block itself was the last scope
-                inside = [w for w in weights if w not in same and (not scope or w.startswith(scope + "."))
+                inside = [w for w in weights if w not in same and w not in input_side
+                          and (not scope or w.startswith(scope + "."))
                           and ((block_of(w, blocks) is not None) if feeds_blocks
                                else (block is not None or block_of(w, blocks) is None))]
                 if inside:
