@@ -199,9 +199,15 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")  # grouped_mm (the fp32 default, tested there) has no fp64 kernel
     inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
+    train = verify.resolve(ref).mapping.verify[verify_index].grad_mode == "train"
+    if train:  # (the sharded copy inherits both)
+        zero_dropout_(full)
+        full.train()
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
+    torch.manual_seed(7)  # the same state for both forwards (and on every rank: the input check compares it)
     loss_full = loss_of(full, inputs, has_labels)
     loss_full.backward()
+    torch.manual_seed(7)
     if checkpointing:  # HF checkpoints only in train mode: no dropout, so results stay comparable
         zero_dropout_(sharded)
         sharded.gradient_checkpointing_enable()
@@ -337,8 +343,9 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
         prompt = verify.case_inputs(ref, verify_index, full)[full.main_input_name]
     if cache is not None:
         kwargs["cache_implementation"] = cache
+    fresh = copy.deepcopy(full)  # before generate: RecurrentGemma keeps its cache states on its modules
     want = full.generate(prompt, **kwargs)
-    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
+    sharded = tpmap.apply(fresh, ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
     got = sharded.generate(prompt, **kwargs)
     everyone = [torch.empty_like(got) for _ in range(ws)]
     dist.all_gather(everyone, got.contiguous())
@@ -593,9 +600,23 @@ def prove_case(ref: str, verify_index: int, class_name: str, training: bool, gen
             out["grad_fp64_unsharded_error"] = unsharded_fp64_error(ref, verify_index, class_name)
         else:
             out["grad_fp64"] = grad_case(ref, verify_index, class_name, False, torch.float64)
-    if generate:
+    if generate and "generate" in verify.resolve(ref).mapping.verify[verify_index].not_checked:
+        out["generate_unsharded_error"] = unsharded_generate_error(ref, verify_index, class_name)
+    elif generate:
         out["generate"] = generate_case(ref, verify_index, class_name, None)
     return out
+
+
+def unsharded_generate_error(ref: str, verify_index: int, class_name: str) -> str | None:
+    """The error the *unsharded* model's own greedy generate raises (declared `not_checked: {generate: ...}`),
+    or None when it runs: then the declaration is stale and the test fails."""
+    full = verify.build_model(ref, verify_index, class_name)
+    ids = verify.case_inputs(ref, verify_index, full)["input_ids"]
+    try:
+        full.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' own generate is the claim proven
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def comm_counts(model_types: list[str]) -> list[dict]:

@@ -17,7 +17,7 @@ from tpmap import loader, verify
 
 import rank_cases
 
-GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead")  # Reformer: ModelWithLMHead
 GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 1e-6}
 LOOSE_FP32 = {"t5"}  # unscaled attention: fp32 rounding amplified (see test_training.py)
 
@@ -56,6 +56,9 @@ def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, ge
         if "grad_fp64_unsharded_error" in r:  # declared not_checked: the unsharded model must really fail
             assert r["grad_fp64_unsharded_error"], (
                 f"{ref}: the unsharded model now runs in float64; remove not_checked: grad_fp64 from its verify config")
+        if "generate_unsharded_error" in r:  # declared not_checked: the unsharded generate must really fail
+            assert r["generate_unsharded_error"], (
+                f"{ref}: the unsharded model now generates; remove not_checked: generate from its verify config")
         if "generate" in r:
             assert r["generate"]["new_tokens"] >= 20 and r["generate"]["ranks_agree"], r["generate"]
             assert r["generate"]["same_as_full"], r["generate"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead")  # Reformer: ModelWithLMHead
 
 
 @dataclass
@@ -34,7 +34,7 @@ def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
     forward = sorted({ws for spec in mapping.verify for ws in spec.world_sizes if ws > 1})
     first = mapping.verify[0]
     deep = [ws for ws in (2, 4) if ws in first.world_sizes]
-    generate = deep if any(c.endswith(GENERATES) for c in first.models) else []
+    generate = deep if any(c.endswith(GENERATES) for c in first.models) and "generate" not in first.not_checked else []
     return forward, deep, generate
 
 

@@ -258,8 +258,11 @@ def _load_whole(model: nn.Module, plan, rank: int, reader: conversion.Reader, so
                         for i in range(t.full_shape[0]) if i not in t.indices(rank))
     count = 0
     for t, names in _holders(model):
-        if t.device.type != "meta":
-            continue  # initialized here
+        stored = any(n in sources for n in names)
+        if t.device.type != "meta" and not stored:
+            continue  # initialized here, and not in the checkpoint (a computed buffer)
+        # (a tensor built outside the meta-device context, e.g. XLNet's legacy torch.FloatTensor parameters,
+        # is real but uninitialized memory: read it from the checkpoint like the others)
         if dropped and all(n.startswith(dropped) for n in names):
             continue  # in an item of a ModuleList that another rank keeps
         count += 1

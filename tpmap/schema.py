@@ -401,10 +401,16 @@ class Verify(_Strict):
         "model class: input_ids + attention_mask when its main input is input_ids, decoder_input_ids for an "
         "encoder-decoder. A main input other than input_ids must be declared (Whisper's input_features)"
     )
-    not_checked: dict[Literal["grad_fp64"], str] = Field(
+    grad_mode: Literal["eval", "train"] = Field(
+        "eval", description="the mode the gradient checks run the models in: train sets every dropout "
+        "probability to 0 first, for models whose backward needs training mode (Reformer's reversible layers "
+        "assert it; RWKV's eval forward updates its recurrent state in place)"
+    )
+    not_checked: dict[Literal["grad_fp64", "generate"], str] = Field(
         {}, description="checks CI cannot run on this config because the unsharded transformers model itself fails "
-        "them, with the reason (e.g. grad_fp64: an attention that builds a float32 constant). CI proves the claim: "
-        "it runs the check on the unsharded model and fails when that succeeds, so a stale entry is noticed"
+        "them, with the reason (grad_fp64: an attention that builds a float32 constant; generate: a model whose own "
+        "generate fails). CI proves the claim: it runs the check on the unsharded model and fails when that "
+        "succeeds, so a stale entry is noticed"
     )
 
 
