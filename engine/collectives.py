@@ -202,14 +202,14 @@ def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 class SharedCopy:
-    """One copy_to_tp_region per tensor for the Columns of one module (q, k and v; gate and up), so their
-    input gradients are summed first and all-reduced once, as with Megatron's fused QKV layer (the sum
-    of all-reduces is the all-reduce of the sum).
+    """One copy_to_tp_region per tensor for the Columns that read it (q, k and v; gate and up; every cross
+    attention's k and v reading one encoder output), so their input gradients are summed first and
+    all-reduced once, as with Megatron's fused QKV layer (the sum of all-reduces is the all-reduce of the sum).
 
-    The module's forward opens a scope (`open`, a pre-hook) that remembers the copies made in it by
+    The model's forward opens a scope (`open`, a pre-hook) that remembers the copies made in it by
     tensor identity, and closes it (`close`, a hook); a Column called outside the scope copies alone.
     Plain Python state on a module-held object, so dynamo traces it (a tensor attribute would break
-    the graph), and nothing outlives the module's forward.
+    the graph), and nothing outlives the model's forward.
     """
 
     def __init__(self):

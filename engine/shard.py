@@ -162,21 +162,17 @@ def execute(model: nn.Module, plan: Plan, rank: int, group, read=take) -> None:
 
 
 def _share_copies(model: nn.Module, plan: Plan) -> None:
-    """The Columns of one module that copy their input (q, k and v; gate and up) share its copy: one
-    all-reduce of the input gradient instead of one each (`SharedCopy`, scoped to that module's forward)."""
-    siblings: dict[str, list[str]] = {}
-    for ms in plan.modules:
-        if ms.style == "column" and ms.copy_input:
-            siblings.setdefault(ms.name.rpartition(".")[0], []).append(ms.name)
-    for parent, names in siblings.items():
-        if len(names) < 2:
-            continue
-        shared = SharedCopy()
-        owner = model.get_submodule(parent)
-        owner.register_forward_pre_hook(shared.open)
-        owner.register_forward_hook(shared.close, always_call=True)
-        for name in names:
-            model.get_submodule(name).__dict__["shared_copy"] = shared
+    """The Columns that copy the same input tensor share its copy: one all-reduce of the input gradient
+    instead of one each (q, k and v; gate and up; an encoder's output read by every cross attention's k
+    and v). One `SharedCopy` scoped to the model's forward."""
+    columns = [ms.name for ms in plan.modules if ms.style == "column" and ms.copy_input]
+    if not columns:
+        return
+    shared = SharedCopy()
+    model.register_forward_pre_hook(shared.open)
+    model.register_forward_hook(shared.close, always_call=True)
+    for name in columns:
+        model.get_submodule(name).__dict__["shared_copy"] = shared
 
 
 def _watch_dropout(model: nn.Module, modules) -> None:

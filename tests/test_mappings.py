@@ -19,7 +19,10 @@ import rank_cases
 
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead")  # Reformer: ModelWithLMHead
 GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 1e-6}
-LOOSE_FP32 = {"t5"}  # unscaled attention: fp32 rounding amplified (see test_training.py)
+# fp32 rounding amplified, the fp64 check (1e-6) still exact: T5's unscaled attention (see test_training.py);
+# Reformer's reversible layers recompute activations in backward, from sums rounded in another order
+# (measured 1.07e-4 at ws 2; fp64 ~1e-13)
+LOOSE_FP32 = {"t5", "reformer"}
 
 
 def _cases():
