@@ -21,4 +21,6 @@ def test_each_row_lists_exactly_the_checks_ci_runs():
         forward, gradient, generate = catalog.proven_checks(verify.resolve(model_type).mapping)
         assert forward == sorted({c[3] for c in cases}), model_type
         assert gradient == sorted({c[3] for c in cases if c[4]}), model_type
-        assert generate == sorted({c[3] for c in cases if c[5]}), model_type
+        # a declared not_checked generate: CI proves the unsharded generate fails instead; the table says "-"
+        skipped = "generate" in verify.resolve(model_type).mapping.verify[0].not_checked
+        assert generate == ([] if skipped else sorted({c[3] for c in cases if c[5]})), model_type
