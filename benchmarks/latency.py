@@ -14,7 +14,9 @@ median and the 10th-90th percentile spread over the rounds.
 * forward, eval, no grad, batch shapes (1, 8) and (4, 128);
 * greedy generate: prompt 128 tokens, 64 new, batch 1, dynamic and static cache: new tokens per second,
   and whether every variant produced the same tokens;
-* a training step: forward + backward + AdamW step at (4, 128), labels = inputs.
+* a training step: forward + backward + AdamW step at (4, 128), labels = inputs;
+* with `--compile BACKEND`, the tpmap forward also compiled (`torch.compile(model.forward)`, warm-up rounds
+  absorb the compilation), beside eager.
 
 Models (`--quick` shrinks them for a smoke run): a Llama-shaped 160M (hidden 768, 12 layers, 12 heads,
 intermediate 2048, vocabulary 32000), a Mixtral-shaped MoE (8 experts, top 2), GPT-2 small and BERT base
@@ -76,7 +78,9 @@ class Timer:
         return out
 
 
-def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool) -> dict:
+def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool,
+                  compile_backend: str | None = None) -> dict:
+    import torch
     import transformers
     import tpmap
 
@@ -87,6 +91,10 @@ def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool
     if with_hf:
         config = transformers.DistributedConfig(tp_size=world_size)
         variants["hf_tp"] = cls.from_pretrained(folder, distributed_config=config).eval()
+    if compile_backend:  # the same tpmap model, forward compiled (generate and training stay eager)
+        variants["tpmap_compiled"] = tpmap.from_pretrained(folder, model_class=cls_name, device=device).eval()
+        variants["tpmap_compiled"].forward = torch.compile(variants["tpmap_compiled"].forward,
+                                                           backend=compile_backend, dynamic=False)
     return variants
 
 
@@ -98,7 +106,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     model_type, cls_name, _ = MODELS[name]
     ws = dist.get_world_size()
     with_hf = bool(getattr(transformers.AutoConfig.for_model(model_type), "base_model_tp_plan", None))
-    variants = load_variants(name, folder, ws, device, with_hf)
+    variants = load_variants(name, folder, ws, device, with_hf, args.compile)
     vocab = variants["unsharded"].config.vocab_size
     gen = torch.Generator().manual_seed(0)
     timer = Timer(device)
@@ -111,6 +119,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
             for _ in range(warmup + args.runs):
                 for key, model in variants.items():
                     timer(f"forward {batch}x{seq} {key}", lambda: model(input_ids=ids))
+    eager = {k: m for k, m in variants.items() if k != "tpmap_compiled"}  # generate and training: eager
     causal = cls_name.endswith(("ForCausalLM", "LMHeadModel"))
     if causal:
         prompt = torch.randint(3, vocab, (1, args.prompt), generator=gen).to(device)
@@ -121,16 +130,16 @@ def bench_model(name: str, args, folder: str, device) -> dict:
             if cache == "static":
                 kwargs["cache_implementation"] = "static"
             for _ in range(1 + args.generate_runs):
-                for key, model in variants.items():
+                for key, model in eager.items():
                     out = timer(f"generate {cache} {key}", lambda: model.generate(prompt, **kwargs))
                     tokens[(cache, key)] = out[0, prompt.shape[1]:].tolist()
-        result["same_tokens"] = {cache: len({tuple(tokens[(cache, k)]) for k in variants}) == 1
+        result["same_tokens"] = {cache: len({tuple(tokens[(cache, k)]) for k in eager}) == 1
                                  for cache in ("dynamic", "static")}
     batch, seq = SHAPES[-1]
     ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
     torch.manual_seed(1234)  # the same RNG state on every rank in training (tpmap's input check compares it)
     optimizers = {}
-    for key, model in variants.items():
+    for key, model in eager.items():
         model.train()
         optimizers[key] = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
@@ -141,7 +150,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     for _ in range(1 + args.train_runs):
-        for key, model in variants.items():
+        for key, model in eager.items():
             timer(f"train {batch}x{seq} {key}", lambda: step(model, optimizers[key]))
     seconds = {key: summary(_rounds(timer, key, warmup if key.startswith("forward") else 1))
                for key in sorted(timer.times)}  # warm-up rounds dropped; every rank has the same keys
@@ -169,13 +178,13 @@ def _rounds(timer: Timer, key: str, skip: int) -> list[float]:
 
 def table(results: list[dict]) -> str:
     """One row per (model, measurement): median seconds per variant (spread p10-p90), and the ratios."""
-    lines = ["| model | measurement | unsharded | tpmap | HF native TP | tpmap / HF | tpmap / unsharded |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | measurement | unsharded | tpmap | HF native TP | tpmap / HF | tpmap / unsharded | "
+             "tpmap compiled |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         kinds = sorted({k.rsplit(" ", 1)[0] for k in r["seconds"]}, key=lambda k: (k.split()[0] != "forward", k))
         for kind in kinds:
             cells = {}
-            for variant in ("unsharded", "tpmap", "hf_tp"):
+            for variant in ("unsharded", "tpmap", "hf_tp", "tpmap_compiled"):
                 s = r["seconds"].get(f"{kind} {variant}")
                 cells[variant] = s
             def fmt(s):
@@ -188,7 +197,7 @@ def table(results: list[dict]) -> str:
                 return "-" if a is None or b is None else f"{a['median'] / b['median']:.2f}"
             lines.append(f"| {r['model']} | {kind} | {fmt(cells['unsharded'])} | {fmt(cells['tpmap'])} | "
                          f"{fmt(cells['hf_tp'])} | {ratio(cells['tpmap'], cells['hf_tp'])} | "
-                         f"{ratio(cells['tpmap'], cells['unsharded'])} |")
+                         f"{ratio(cells['tpmap'], cells['unsharded'])} | {fmt(cells['tpmap_compiled'])} |")
     lines.append("")
     lines.append("Ratios are of median times (lower is faster; for generate, time per call of "
                  "the same number of tokens).")
@@ -211,6 +220,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where rank 0 saves the checkpoints (a shared folder "
                         "across nodes; default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="tiny models, few rounds: a smoke run")
+    parser.add_argument("--compile", default=None, metavar="BACKEND", help="also time the tpmap forward under "
+                        "torch.compile with this backend (inductor: needs a C++ compiler on CPU; aot_eager)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:

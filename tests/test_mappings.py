@@ -17,7 +17,7 @@ from tpmap import loader, verify
 
 import rank_cases
 
-GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead")  # Reformer: ModelWithLMHead
+GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
 GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 1e-6}
 # fp32 rounding amplified, the fp64 check (1e-6) still exact: T5's unscaled attention (see test_training.py);
 # Reformer's reversible layers recompute activations in backward, from sums rounded in another order

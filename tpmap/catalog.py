@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead")  # Reformer: ModelWithLMHead
+GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
 
 
 @dataclass
