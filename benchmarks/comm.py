@@ -146,6 +146,9 @@ def measure(model_type: str) -> dict | None:
     plan = sharded.tpmap_plan
     with torch.no_grad(), counting_collectives() as forward:
         sharded(**inputs)
+    if spec.grad_mode == "train":  # a backward that needs training mode (Reformer, RWKV)
+        sharded.train()
+        torch.manual_seed(0)  # the same RNG state on every rank (the input check is off, dropout may draw)
     with counting_collectives() as step:
         out = sharded(**inputs)
         logits = verify.main_output(out)
