@@ -60,6 +60,8 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
     counts = {"fwd_ar": 0, "fwd_ag": 0, "bwd_ar": 0}
     stack: list[list] = []  # per active block call: [(output node, level)]
     column_inputs: set = set()
+    name_of: dict = {}  # partial-sum module -> its name
+    input_node: dict = {}  # partial-sum module -> the autograd node of its input, this call
     handles = []
 
     def block_pre(module, args):
@@ -71,8 +73,8 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
 
     def partial_pre(module, args, kwargs):
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        module._comm_input = tensors[0].grad_fn if tensors else None
-        if module._comm_name in plan.reduces:  # a Reduce's floating inputs get partial gradients: one sum each
+        input_node[module] = tensors[0].grad_fn if tensors else None
+        if name_of[module] in plan.reduces:  # a Reduce's floating inputs get partial gradients: one sum each
             column_inputs.update((t.grad_fn, t.data_ptr(), tuple(t.shape)) for t in tensors
                                  if t.is_floating_point() and t.requires_grad)
 
@@ -83,7 +85,7 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
             return
         calls = stack[-1]
         earlier = {node: level for node, level in calls}
-        reach = _nodes_reachable(module._comm_input, set(earlier))
+        reach = _nodes_reachable(input_node[module], set(earlier))
         level = 1 + max((lvl for node, lvl in earlier.items() if node in reach), default=0)
         calls.append((y.grad_fn, level))
 
@@ -101,7 +103,7 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
         if name in blocks:
             handles += [module.register_forward_pre_hook(block_pre), module.register_forward_hook(block_post)]
         if name in partial_sums:
-            module._comm_name = name
+            name_of[module] = name
             handles += [module.register_forward_pre_hook(partial_pre, with_kwargs=True),
                         module.register_forward_hook(partial_post)]
         if name in copies:
@@ -154,13 +156,11 @@ def measure(model_type: str) -> dict | None:
         logits = verify.main_output(out)
         logits.float().square().mean().backward()  # every output feeds the loss
     minimum = megatron_minimum(full, plan, inputs)
-    replicated_grads = len(plan.grad_allreduce) + sum(
-        1 for t in list(plan.params.values()) if t.replicated_heads)
     return {
         "model_type": model_type, "class": cls, "world_size": ws,
         "forward": dict(forward), "forward_bytes": dict(forward.bytes),
         "step": dict(step), "step_bytes": dict(step.bytes),
-        "minimum": minimum, "param_grad_syncs_planned": replicated_grads,
+        "minimum": minimum,
     }
 
 

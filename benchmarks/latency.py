@@ -63,6 +63,7 @@ class Timer:
         import torch.distributed as dist
 
         self.dist, self.device, self.times = dist, device, {}
+        self.gathered: dict[str, list[float]] = {}  # key -> the slowest rank's time per round
 
     def __call__(self, key: str, fn):
         import torch
@@ -76,6 +77,19 @@ class Timer:
             torch.cuda.synchronize()
         self.times.setdefault(key, []).append(time.perf_counter() - start)
         return out
+
+    def rounds(self, key: str, skip: int) -> list[float]:
+        """The slowest rank's time per round for `key`, warm-up rounds dropped (one gather per key, all keys
+        at once: every rank has the same keys in the same order)."""
+        import torch
+
+        if not self.gathered:
+            for k, values in sorted(self.times.items()):
+                mine = torch.tensor(values, dtype=torch.float64)
+                everyone = [torch.empty_like(mine) for _ in range(self.dist.get_world_size())]
+                self.dist.all_gather(everyone, mine)
+                self.gathered[k] = torch.stack(everyone).max(0).values.tolist()
+        return self.gathered[key][skip:]
 
 
 def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool,
@@ -152,28 +166,14 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     for _ in range(1 + args.train_runs):
         for key, model in eager.items():
             timer(f"train {batch}x{seq} {key}", lambda: step(model, optimizers[key]))
-    seconds = {key: summary(_rounds(timer, key, warmup if key.startswith("forward") else 1))
-               for key in sorted(timer.times)}  # warm-up rounds dropped; every rank has the same keys
+    seconds = {key: summary(timer.rounds(key, warmup if key.startswith("forward") else 1))
+               for key in sorted(timer.times)}  # warm-up rounds dropped
     for key, s in seconds.items():
         if key.startswith("generate"):
             s["tokens_per_s"] = args.new_tokens / s["median"]
     result["seconds"] = seconds
     del variants, optimizers
     return result
-
-
-def _rounds(timer: Timer, key: str, skip: int) -> list[float]:
-    """The slowest rank's time per round for `key`, warm-up rounds dropped (gathered once, cached)."""
-    import torch
-
-    cache = timer.__dict__.setdefault("_gathered", {})
-    if not cache:
-        for k, values in sorted(timer.times.items()):
-            mine = torch.tensor(values, dtype=torch.float64)
-            everyone = [torch.empty_like(mine) for _ in range(timer.dist.get_world_size())]
-            timer.dist.all_gather(everyone, mine)
-            cache[k] = torch.stack(everyone).max(0).values.tolist()
-    return cache[key][skip:]
 
 
 def table(results: list[dict]) -> str:

@@ -39,6 +39,7 @@ from tpmap.errors import SequenceParallelError
 
 from . import rng
 from .collectives import _all_gather_along, gather_from_sequence_region, split_to_sequence_region
+from .shard import map_first_tensor
 
 SEQ_DIM = 1  # the hidden states between blocks are (B, T, H), batch first
 
@@ -251,10 +252,9 @@ class SequenceState:
                 y = gather_from_sequence_region(y, self.group, SEQ_DIM, reduce_grad=False)
             return _Mark.apply(y, self, self.active) if y.requires_grad and torch.is_grad_enabled() else y
 
-        if isinstance(output, torch.Tensor):
-            return gather(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (gather(output[0]),) + output[1:]
+        mapped = map_first_tensor(output, gather)
+        if mapped is not None:
+            return mapped
         raise SequenceParallelError(f"sequence parallelism: the last block ({type(module).__name__}) returned "
                                     f"{type(output).__name__}, not hidden states (or a tuple starting with them)")
 

@@ -207,13 +207,22 @@ def _floating(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
+def map_first_tensor(output, op):
+    """`op` applied to a module's output: a tensor, or the first tensor of a tuple (the hidden states of
+    a block that also returns attention weights or a cache); None when the output is neither."""
+    if isinstance(output, torch.Tensor):
+        return op(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (op(output[0]),) + output[1:]
+    return None
+
+
 def _on_output(module: nn.Module, op, kind: str) -> None:
     """Apply `op` to the module's output (a tensor, or the first tensor of a tuple) in a forward hook."""
     def hook(_, args, output):
-        if isinstance(output, torch.Tensor):
-            return op(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (op(output[0]),) + output[1:]
+        mapped = map_first_tensor(output, op)
+        if mapped is not None:
+            return mapped
         raise TypeError(f"{type(module).__name__} under a {kind} entry returned {type(output).__name__}; "
                         f"{kind} takes a tensor output (or the first tensor of a tuple)")
 

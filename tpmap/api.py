@@ -176,12 +176,13 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
     from tpmap.engine import sequence as sequence_parallel
     from tpmap.engine import shard
 
-    params_full = sum(p.numel() for p in model.parameters())
+    warn_partial = bool(plan.kept_whole) and tp_rank == 0
+    params_full = sum(p.numel() for p in model.parameters()) if warn_partial else 0
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
     setattr(model, PLAN_ATTR, plan)
     setattr(model, GROUP_ATTR, group)  # full_state_dict and save_pretrained default to it
-    if plan.kept_whole and tp_rank == 0:
-        _warn_partial(plan, sum(p.numel() for p in model.parameters()) / max(params_full, 1))
+    if warn_partial:
+        _warn_partial(plan, sum(p.numel() for p in model.parameters()) / params_full)
     if sequence is not None:
         setattr(model, SEQUENCE_ATTR, sequence_parallel.install(model, sequence, group))
     if loss_parallel:

@@ -22,7 +22,7 @@ class Row:
     classes: list[str]
     forward_ws: list[int]
     gradient_ws: list[int]
-    gradient: str  # the rendered gradients cell
+    fp32_only: bool  # fp64 gradients declared not checkable (not_checked: grad_fp64)
     generate_ws: list[int]
     features: list[str]
     share_ws4: float | None
@@ -34,14 +34,9 @@ def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
     forward = sorted({ws for spec in mapping.verify for ws in spec.world_sizes if ws > 1})
     first = mapping.verify[0]
     deep = [ws for ws in (2, 4) if ws in first.world_sizes]
-    generate = deep if any(c.endswith(GENERATES) for c in first.models) and "generate" not in first.not_checked else []
+    generates = any(c.endswith(GENERATES) for c in first.models) and "generate" not in first.not_checked
+    generate = deep if generates else []
     return forward, deep, generate
-
-
-def gradient_cell(mapping, gradient_ws: list[int]) -> str:
-    """The gradients column: world sizes, and "fp32 only" where fp64 is declared not checkable."""
-    cell = ", ".join(map(str, gradient_ws)) if gradient_ws else "-"
-    return cell + (" (fp32 only)" if gradient_ws and "grad_fp64" in mapping.verify[0].not_checked else "")
 
 
 def features(mapping) -> list[str]:
@@ -115,7 +110,7 @@ def rows() -> list[Row]:
             notes.append(f"{check} not run ({reason})")
         notes += [f"unsupported: {u.reason}" for u in mapping.unsupported]
         classes = list(dict.fromkeys(c for spec in mapping.verify for c in spec.models))
-        out.append(Row(model_type, classes, forward, gradient, gradient_cell(mapping, gradient), generate,
+        out.append(Row(model_type, classes, forward, gradient, "grad_fp64" in mapping.verify[0].not_checked, generate,
                        features(mapping), share_at(mapping, loaded),
                        "; ".join(notes)))
     return out
@@ -142,6 +137,7 @@ def render(table: list[Row]) -> str:
     ]
     for r in table:
         share = f"{r.share_ws4:.1%}" if r.share_ws4 is not None else "-"
-        lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {r.gradient} | "
+        gradients = ws(r.gradient_ws) + (" (fp32 only)" if r.gradient_ws and r.fp32_only else "")
+        lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {gradients} | "
                      f"{ws(r.generate_ws)} | {share} | {', '.join(r.features)} | {r.notes.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

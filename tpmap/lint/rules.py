@@ -118,11 +118,11 @@ def _covered_kinds() -> tuple:
 class _Matches:
     """What each entry and replicated pattern of a mapping matches in one base model."""
 
-    def __init__(self, loaded: LoadedMapping, names: list[str], modules: dict):
+    def __init__(self, loaded: LoadedMapping, modules: dict):
         from tpmap.engine.plan import match, match_entry
 
         self.entries = [match_entry(e, modules) for e in loaded.mapping.entries]
-        self.replicated = [match(p, names) for p in loaded.mapping.replicated_patterns]
+        self.replicated = [match(p, modules) for p in loaded.mapping.replicated_patterns]
 
 
 def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
@@ -393,7 +393,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         modules = dict(base.named_modules())
         names = [n for n in modules if n]
         blocks = block_prefixes(base)
-        m = _Matches(loaded, names, modules)
+        m = _Matches(loaded, modules)
         replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
         if not default:
             entry_hit.update(i for i, ns in enumerate(m.entries) if ns)
