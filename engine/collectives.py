@@ -118,11 +118,17 @@ def _recorded(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
+# torch 2.13 renamed the single-tensor collectives (the old names now warn on every call); older torch
+# has only the old names. Called through `dist` by name so that counting_collectives sees them.
+_ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., n, ..) at `dim` -> (.., ws * n, ..), rank-major."""
     first = x.movedim(dim, 0).contiguous()  # (n, ...): each rank's chunk one block of memory
     out = first.new_empty((dist.get_world_size(group) * first.shape[0], *first.shape[1:]))
-    dist.all_gather_into_tensor(out, first, group=group)
+    getattr(dist, _ALL_GATHER_SINGLE)(out, first, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -130,7 +136,7 @@ def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., ws * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
     first = x.movedim(dim, 0).contiguous()
     out = first.new_empty((first.shape[0] // dist.get_world_size(group), *first.shape[1:]))
-    dist.reduce_scatter_tensor(out, first, group=group)
+    getattr(dist, _REDUCE_SCATTER_SINGLE)(out, first, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -257,7 +263,10 @@ def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     return _SumOverTP.apply(x, group) if _recorded(x) else _all_reduce(x, group, fresh=True)
 
 
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+_COUNTED = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather_into_tensor",
+            "reduce_scatter_tensor": "reduce_scatter_tensor", "broadcast": "broadcast",
+            "all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+# torch.distributed name -> counted as (torch 2.13's new names under the old ones, so counts read the same)
 _FUNCOL_COUNTED = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather",
                    "reduce_scatter_tensor": "reduce_scatter_tensor"}  # functional name -> counted as
 
@@ -287,7 +296,8 @@ def counting_collectives():
     `torch.distributed` and functional collectives alike (under torch.compile: the calls traced, not those
     a compiled graph replays); for reports and tests, not for production loops."""
     counts = CollectiveCounts()
-    originals = [(dist, name, name) for name in _COUNTED] + [(funcol, f, n) for f, n in _FUNCOL_COUNTED.items()]
+    originals = [(dist, name, n) for name, n in _COUNTED.items() if hasattr(dist, name)]
+    originals += [(funcol, f, n) for f, n in _FUNCOL_COUNTED.items()]
     saved = [(module, name, getattr(module, name)) for module, name, _ in originals]
 
     def counted(name, fn):
