@@ -90,11 +90,15 @@ class RowParallelLinear(_TPModule):
     Example (2 ranks): an nn.Linear(6, 8) becomes weight (8, 3) per rank; X_r (B, T, 3) -> Y (B, T, 8).
     """
 
+    seq_closed = False  # sequence parallelism: this Row sits in a parent run on the whole sequence
+
     def __init__(self, weight, bias, *, reverse: bool, group):
         super().__init__(group)
         self.weight, self.bias, self.reverse = weight, bias, reverse
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
+        if self.seq is not None and self.seq.active and self.seq_closed:  # inside a closed parent (engine.sequence)
+            return self.seq.closed_row(_matmul(x, self.weight, self.reverse), self.bias, self)
         if self.seq is not None and self.seq.active:  # (..., T, in/ws) -> (..., T/ws, out): reduce-scatter
             # the block, not the Row, leaves the dropout region: what follows holds this rank's tokens
             y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),

@@ -21,6 +21,21 @@ gradients are all-reduced over the group (Megatron sums its "sequence_parallel" 
 Dropout inside a block draws from the rank-specific generator (`engine.rng`): each rank's tokens
 get their own masks.
 
+Beyond the plain Column -> Row pattern, each rule general (found in a shipped family, none by name):
+* A Column's input that is not its parent's gathered input: this rank's tokens passed beside it (MobileBERT's
+  value) gather themselves; a tensor computed from the gathered input inside the parent (a norm) is cut
+  to this rank's chunk for the backward; a tensor from outside the blocks (DeBERTa's relative position
+  embeddings) takes plain TP's copy, whose backward all-reduces its gradient. Which one is read from the
+  autograd graph (`_derives_from_gather`), so no gradient is summed twice or missed.
+* A module the mapping keeps whole inside a block (a partial mapping's attention) mixes all the tokens:
+  it runs on the gathered sequence and keeps this rank's chunk of every per-token output. So does a
+  "closed" parent, whose Row's output meets its own gathered input before it returns (ALBERT's attention
+  adds the residual and normalizes inside); its Rows all-reduce (reduce-scatter + all-gather).
+* Other block arguments shaped like the hidden states, (B, T, ...), are split with them (Gemma 4's
+  per-layer inputs), and gathered back with them where a module runs on the whole sequence.
+* The hidden states must be batch first: a block input whose first dimension is not the model input's
+  batch (XLNet's (T, B, H)) raises at the forward.
+
 A forward whose sequence length is not a multiple of ws (a decode step of generate) runs as plain
 TP. Which kind a backward's gradients came from is recorded in the graph (`_Mark`), so the whole
 parameters' all-reduce follows it; mixing both kinds in one backward raises.
@@ -38,10 +53,19 @@ from torch import nn
 from tpmap.errors import SequenceParallelError
 
 from . import rng
-from .collectives import _all_gather_along, gather_from_sequence_region, split_to_sequence_region
+from .collectives import (_all_gather_along, copy_to_tp_region, gather_from_sequence_region,
+                          reduce_scatter_to_sequence_region, split_to_sequence_region)
+from .layers import _matmul
 from .shard import map_first_tensor
 
 SEQ_DIM = 1  # the hidden states between blocks are (B, T, H), batch first
+
+
+def _token_wise() -> tuple:
+    """Module classes that compute each token on its own (a whole one is exact on split tokens)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,8 @@ class SequencePlan:
     columns: tuple[tuple[str, bool], ...]  # (Column, gathers its own input: its parent is a block)
     rows: tuple[str, ...]  # Rows inside the blocks: reduce-scatter
     grad_allreduce: tuple[str, ...]  # whole parameters in the blocks (each rank sees only its tokens)
+    whole: tuple[str, ...] = ()  # kept-whole modules and closed parents: gather in, chunk out
+    closed_rows: tuple[str, ...] = ()  # Rows inside closed parents: all-reduce (RS + AG) both ways
 
 
 def _refuse(name: str, why: str) -> SequenceParallelError:
@@ -63,8 +89,14 @@ def build(model: nn.Module, plan) -> SequencePlan:
     and say where the collectives go. Reads the model, changes nothing; raises SequenceParallelError."""
     from tpmap.lint.rules import block_prefixes
 
+    from .plan import match
+
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
     blocks = [plan.base_prefix + b for b in block_prefixes(base)]
+    column_names = [m.name for m in plan.modules if m.style == "column"]
+    holding = {b.rpartition(".")[0] for b in blocks if any(c.startswith(b + ".") for c in column_names)}
+    if len(holding) == 1:  # other ModuleLists hold no Column (Gemma 3n's AltUp projections): not blocks
+        blocks = [b for b in blocks if b.rpartition(".")[0] in holding]
     stacks = sorted({b.rpartition(".")[0] for b in blocks})
     if len(stacks) != 1:
         raise _refuse(type(model).__name__, f"it has {len(stacks)} stacks of repeated blocks "
@@ -74,23 +106,51 @@ def build(model: nn.Module, plan) -> SequencePlan:
     def block_of(name: str) -> str | None:
         return next((b for b in blocks if name.startswith(b + ".")), None)
 
+    names = dict(base.named_modules())  # the mapping's patterns are relative to the base model
+    whole = sorted({plan.base_prefix + n for pattern, _, _ in plan.kept_whole for n in match(pattern, names)
+                    if block_of(plan.base_prefix + n)})
+    whole = [n for n in whole if not any(n.startswith(w + ".") for w in whole)]  # the outermost
+    kept = list(whole)
+
+    def in_whole(name: str) -> bool:
+        return any(name == w or name.startswith(w + ".") for w in kept)
+
     shards = {m.name: m for m in plan.modules if block_of(m.name)}
+    if not any(m.style == "column" for m in shards.values()):
+        raise _refuse(type(model).__name__, "nothing in its blocks is split (no Column), so there is no "
+                      "tensor-parallel region whose all-reduces could become reduce-scatters")
     split_tensors = {t.name for t in plan.tensors}
-    columns, parents = [], set()
+    candidates = []
     for m in shards.values():
         if m.style != "column":
             continue
         if isinstance(model.get_submodule(m.name), nn.Embedding) or m.gather_output or not m.copy_input:
             raise _refuse(m.name, "a Column inside a block whose input or output does not follow the Column -> Row "
                           "pattern (an embedding, gather_output, or copy_input: false after an Enter)")
-        parent = m.name.rpartition(".")[0]
-        columns.append((m.name, parent in blocks))
-        if parent not in blocks:
+        candidates.append((m.name, m.name.rpartition(".")[0]))
+    # A parent gathers its first argument for the Columns under it. A module holding Columns that holds
+    # another such module too (ALBERT's layer: attention and the FFN's Columns) is no gather point: its
+    # own Columns gather their inputs themselves, as Columns written inline in a block do.
+    holders = {p for _, p in candidates if p not in blocks}
+    nested = {p for p in holders if any(q.startswith(p + ".") for q in holders)}
+    columns, parents = [], set()
+    for name, parent in candidates:
+        gathers = parent in blocks or parent in nested
+        columns.append((name, gathers))
+        if not gathers:
             parents.add(parent)
-    for p in parents:
-        outer = next((q for q in parents if p.startswith(q + ".")), None)
-        if outer is not None:
-            raise _refuse(p, f"it holds Columns and sits inside {outer}, which holds Columns too (two gathers)")
+    # A parent whose Row's output meets the parent's own (gathered) input before it returns -- ALBERT's
+    # attention adds the residual and applies the LayerNorm inside -- cannot return this rank's tokens from
+    # its Row: it is closed, run like a whole module (gather in, chunk out) with its Rows summing on every
+    # rank. Recognised by a norm over the Row's output width inside the parent (q/k norms are head-wide).
+    rows = [m.name for m in shards.values() if m.style == "row"]
+    closed = sorted(p for p in parents if _norm_after_row(model, p, [r for r in rows if r.startswith(p + ".")], shards))
+    parents -= set(closed)
+    whole = sorted(whole + closed)
+    for w in whole:
+        if any(w.startswith(p + ".") for p in parents):
+            raise _refuse(w, "a module kept whole by the mapping sits inside a module whose input is gathered for "
+                          "its Columns")
 
     def in_parent(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in parents)
@@ -98,6 +158,8 @@ def build(model: nn.Module, plan) -> SequencePlan:
     for block in blocks:
         for rel, module in model.get_submodule(block).named_modules():
             name = f"{block}.{rel}" if rel else block
+            if in_whole(name):
+                continue  # computed on the gathered sequence, this rank's chunk kept (install)
             if name in plan.reduces or name in plan.enters:
                 kind = "Reduce" if name in plan.reduces else "Enter"
                 raise _refuse(name, f"it is under a {kind} entry (a partial sum or a whole module feeding the "
@@ -106,7 +168,8 @@ def build(model: nn.Module, plan) -> SequencePlan:
                 raise _refuse(name, f"it is a {type(module).__name__}, which mixes neighbouring tokens along the "
                               "sequence outside attention; on split tokens it would miss its neighbours")
             own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-            if name not in shards and any(p.dim() >= 2 and f"{name}.{n}" not in split_tensors for n, p in own):
+            if (name not in shards and not isinstance(module, _token_wise())
+                    and any(p.dim() >= 2 and f"{name}.{n}" not in split_tensors for n, p in own)):
                 raise _refuse(name, f"it is a {type(module).__name__} with a matrix kept whole inside a block "
                               "(a router, or a projection feeding every head); tpmap cannot tell whether it needs "
                               "all the tokens")
@@ -125,8 +188,21 @@ def build(model: nn.Module, plan) -> SequencePlan:
             if name in plan.grad_allreduce or any(name.startswith(t + ".") for t in split_tensors):
                 continue  # already summed over the ranks, or this rank's items of a split ModuleList
             grad_allreduce.append(name)
-    rows = tuple(m.name for m in shards.values() if m.style == "row")
-    return SequencePlan(tuple(blocks), tuple(sorted(parents)), tuple(columns), rows, tuple(grad_allreduce))
+    closed_rows = tuple(r for r in rows if any(r.startswith(c + ".") for c in closed))
+    return SequencePlan(tuple(blocks), tuple(sorted(parents)), tuple(columns),
+                        tuple(r for r in rows if r not in closed_rows), tuple(grad_allreduce), tuple(whole), closed_rows)
+
+
+def _norm_after_row(model: nn.Module, parent: str, rows: list[str], shards: dict) -> bool:
+    """Whether `parent` holds a Row and a norm (a module named *Norm*) over the Row's output width."""
+    if not rows:
+        return False
+    widths = {shards[r].weight.full_shape[1 if shards[r].reverse else 0] for r in rows}  # the Rows' output widths
+    for _, m in model.get_submodule(parent).named_modules():
+        w = getattr(m, "weight", None)
+        if "norm" in type(m).__name__.lower() and isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() in widths:
+            return True
+    return False
 
 
 class _Mark(torch.autograd.Function):
@@ -178,6 +254,13 @@ class SequenceState:
         self._shared: tuple | None = None  # (x, gathered x, x detached): siblings share one gather
         self._parent: tuple | None = None  # (gathered, this rank's chunk) of the last parent's input
         self._task, self._split = None, False  # the backward (graph task) last marked, and its kind
+        self._gathers: set = set()  # autograd nodes of this forward's gathers (see _derives_from_gather)
+        self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
+        self._full_shape = torch.Size()  # (B, T) of the first block's input
+
+    def record_batch(self, module, args, kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        self.batch = first.shape[0] if first is not None and first.dim() >= 1 else None
 
     # -- called by ColumnParallelLinear / RowParallelLinear while active --------------------------------
     def column_matmul(self, x: torch.Tensor, column) -> torch.Tensor:
@@ -186,16 +269,40 @@ class SequenceState:
         if column.seq_gathers:
             if self._shared is None or self._shared[0] is not x:
                 self._check(x, self.tokens // self.ws, column, "input")
-                self._shared = (x, gather_from_sequence_region(x, self.group, -2), x.detach())
+                self._shared = (x, self._gather(x), x.detach())
             _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
-        else:
+        elif self._parent is not None and self._parent[0] is x:  # the parent's gathered input (most models)
+            full, local = x, self._parent[1]
+        elif x.numel() // max(x.shape[-1], 1) == self.tokens // self.ws != self.tokens:
+            # this rank's tokens, passed to the parent beside its first argument (MobileBERT's value input)
+            if self._shared is None or self._shared[0] is not x:
+                self._shared = (x, self._gather(x), x.detach())
+            _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
+        elif not (x.requires_grad and torch.is_grad_enabled()):  # no backward: only the forward must be right
+            return _matmul(x, column.weight, column.reverse)
+        elif self._derives_from_gather(x):  # computed from the gathered input inside the parent (a norm)
             self._check(x, self.tokens, column, "input")
-            full = x
-            local = self._parent[1] if self._parent is not None and self._parent[0] is x else None
-            if local is None:  # gathered by the parent from a tensor it did not record: cut this rank's chunk
-                local = x.detach().narrow(-2, dist.get_rank(self.group) * (x.shape[-2] // self.ws),
-                                          x.shape[-2] // self.ws).contiguous()
+            full = x  # replicated on every rank: cut this rank's chunk for the backward
+            local = x.detach().narrow(-2, dist.get_rank(self.group) * (x.shape[-2] // self.ws),
+                                      x.shape[-2] // self.ws).contiguous()
+        else:  # a side input from outside the blocks (DeBERTa's relative embeddings): plain TP's copy
+            return _matmul(copy_to_tp_region(x, self.group), column.weight, column.reverse)
         return _SeqLinear.apply(full, local, column.weight, column.reverse, self.group)
+
+    def _derives_from_gather(self, x: torch.Tensor) -> bool:
+        """Whether x's autograd graph reaches a sequence gather of this forward (its gradient is then summed
+        over the ranks by that gather's reduce-scatter), rather than only tensors from outside the blocks
+        (whose gradient plain TP's copy must all-reduce). Walks back from x, stopping at the gathers."""
+        seen, todo = set(), [x.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            if node in self._gathers:
+                return True
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+        return False
 
     def row_partial(self, y: torch.Tensor, row) -> torch.Tensor:
         self._check(y, self.tokens, row, "output")
@@ -216,11 +323,35 @@ class SequenceState:
                 raise SequenceParallelError(f"sequence parallelism: {block_name} takes "
                                             f"{type(hidden).__name__} {tuple(getattr(hidden, 'shape', ()))} first, "
                                             "not hidden states (B, T, H)")
+            if self.batch is not None and hidden.shape[0] != self.batch:
+                raise SequenceParallelError(
+                    f"sequence parallelism: {block_name} takes hidden states of shape {tuple(hidden.shape)} for a "
+                    f"batch of {self.batch}: they are not batch first (B, T, H), so tpmap "
+                    "cannot tell which dimension is the sequence. Apply without sequence_parallel for this model")
             self.active = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
+            self._full_shape = hidden.shape[:2]
             self._shared = self._parent = None
+            self._gathers = set()
             return put(split_to_sequence_region(hidden, self.group, SEQ_DIM) if self.active else hidden)
         return hook
+
+    def split_side_inputs(self, module, args, kwargs):
+        """Every block argument other than the hidden states that holds the whole sequence as they did,
+        (B, T, ...): a per-token input (Gemma 4's per-layer inputs), split with them. Inside a parent it is
+        gathered back with them (`_gather_arguments`), so position tables passed as tensors stay exact."""
+        if not self.active:
+            return None
+        hidden, _ = _first_argument(module, args, kwargs)
+        cut: dict[int, torch.Tensor] = {}
+
+        def put(a):
+            if a is hidden or not (isinstance(a, torch.Tensor) and a.dim() >= 3 and a.shape[:2] == self._full_shape):
+                return a
+            if id(a) not in cut:
+                cut[id(a)] = split_to_sequence_region(a, self.group, SEQ_DIM)  # (B, T, ..) -> (B, T/ws, ..)
+            return cut[id(a)]
+        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}
 
     def gather_parent_input(self, module, args, kwargs):
         if not self.active:
@@ -230,9 +361,81 @@ class SequenceState:
             raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} holds Columns but takes "
                                         f"{type(hidden).__name__} first, not the hidden states")
         self._check(hidden, self.tokens // self.ws, module, "input")
-        full = gather_from_sequence_region(hidden, self.group, -2)  # (B, T/ws, H) -> (B, T, H)
+        full = self._gather(hidden)  # (B, T/ws, H) -> (B, T, H)
         self._parent = (full, hidden.detach())
-        return put(full)
+        return put(full)  # other arguments stay as they are: a residual added to the Row's output stays split
+
+    def _gather_arguments(self, hidden: torch.Tensor, args: tuple, kwargs: dict):
+        """All-gather the first argument and every other argument holding this rank's tokens as it does,
+        (B, T/ws, ...), for a module run on the whole sequence (a residual it adds inside, too); the others
+        (masks, position tables) are whole already. Returns (args, kwargs, {id(tensor): gathered})."""
+        gathered: dict[int, torch.Tensor] = {}
+
+        def put(a):
+            if not (isinstance(a, torch.Tensor) and a.dim() >= 3 and a.shape[:2] == hidden.shape[:2]):
+                return a
+            if id(a) not in gathered:
+                gathered[id(a)] = self._gather(a, SEQ_DIM)  # (B, T/ws, ..) -> (B, T, ..)
+            return gathered[id(a)]
+        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}, gathered
+
+    def _gather(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        full = gather_from_sequence_region(x, self.group, dim)  # (.., T/ws, H) -> (.., T, H)
+        if full.grad_fn is not None:
+            self._gathers.add(full.grad_fn)
+        return full
+
+    def gather_whole_input(self, module, args, kwargs):
+        """A module kept whole (a partial mapping's attention) mixes all the tokens: it runs on the gathered
+        sequence on every rank, and `chunk_whole_output` keeps this rank's tokens of its output. Backward:
+        each rank's input gradient is its chunk's part, summed over the ranks by the gather's reduce-scatter;
+        its whole parameters' gradients are summed like a norm's. A parent whose Row's output meets its
+        own gathered input (ALBERT's attention: residual and LayerNorm inside) runs the same way."""
+        if not self.active:
+            return None
+        hidden, _ = _first_argument(module, args, kwargs)
+        if not isinstance(hidden, torch.Tensor):
+            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} takes "
+                                        f"{type(hidden).__name__} first, not the hidden states")
+        self._check(hidden, self.tokens // self.ws, module, "input")
+        args, kwargs, gathered = self._gather_arguments(hidden, args, kwargs)
+        self._parent = (gathered[id(hidden)], hidden.detach())
+        return args, kwargs
+
+    def chunk_whole_output(self, module, args, output):
+        if not self.active:
+            return None
+        rank = dist.get_rank(self.group)
+        first = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, (tuple, list)) \
+            and output else None
+        if not isinstance(first, torch.Tensor):
+            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} returned "
+                                        f"{type(output).__name__}, not hidden states (or a tuple starting with them)")
+        self._check(first, self.tokens, module, "output")
+        chunks: dict[int, torch.Tensor] = {}
+
+        def chunk(y):  # (B, T, ..) -> (B, T/ws, ..); backward: zeros outside this rank's tokens
+            if not (isinstance(y, torch.Tensor) and y.dim() >= 3 and y.shape[:2] == first.shape[:2]):
+                return y
+            if id(y) not in chunks:
+                n = y.shape[1] // self.ws
+                chunks[id(y)] = y.narrow(1, rank * n, n).clone(memory_format=torch.contiguous_format)
+            return chunks[id(y)]
+        if isinstance(output, torch.Tensor):
+            return chunk(output)
+        mapped = [chunk(y) for y in output]  # every per-token output (MobileBERT's bottleneck returns four)
+        return mapped if isinstance(output, list) else type(output)(*mapped) if hasattr(output, "_fields") \
+            else tuple(mapped)
+
+    def closed_row(self, partial: torch.Tensor, bias, row) -> torch.Tensor:
+        """A Row inside a closed parent: the sum over ranks on every rank (reduce-scatter, bias on this rank's
+        tokens, all-gather), whose backward is the same: the parent's output gradient, zero outside each
+        rank's chunk, is summed so that this rank's heads see every token's gradient."""
+        self._check(partial, self.tokens, row, "output")
+        y = reduce_scatter_to_sequence_region(partial, self.group, 1)  # (B, T/ws, out)
+        if bias is not None:
+            y = y + bias  # a whole parameter seeing this rank's tokens: its gradient is summed like a norm's
+        return self._gather(y, SEQ_DIM)
 
     def enter_block(self, module, args, kwargs):
         if self.active and module.training:  # this rank's tokens: their own dropout masks
@@ -284,33 +487,49 @@ def _device(module: nn.Module) -> torch.device:
 
 
 def _first_argument(module: nn.Module, args: tuple, kwargs: dict):
-    """(the forward's first argument, a function that returns (args, kwargs) with it replaced)."""
+    """(the forward's first argument, a function that returns (args, kwargs) with it replaced). Every other
+    argument that is the same tensor is replaced too (CTRL's attention takes the hidden states as v, k and q)."""
     if args:
-        return args[0], lambda v: ((v,) + args[1:], kwargs)
-    name = next(iter(inspect.signature(module.forward).parameters), None)
-    if name is None or name not in kwargs:
-        raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} was called without its first "
-                                    "argument (the hidden states)")
-    return kwargs[name], lambda v: (args, {**kwargs, name: v})
+        first = args[0]
+    else:
+        name = next(iter(inspect.signature(module.forward).parameters), None)
+        if name is None or name not in kwargs:
+            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} was called without its "
+                                        "first argument (the hidden states)")
+        first = kwargs[name]
+
+    def put(v):
+        return (tuple(v if a is first else a for a in args),
+                {k: v if a is first else a for k, a in kwargs.items()})
+    return first, put
 
 
 def install(model: nn.Module, sp: SequencePlan, group) -> SequenceState:
     """Hook the blocks and parents, and point the blocks' Columns and Rows at one shared state."""
     state = SequenceState(group)
+    model.register_forward_pre_hook(state.record_batch, with_kwargs=True)
     first, last = model.get_submodule(sp.blocks[0]), model.get_submodule(sp.blocks[-1])
     first.register_forward_pre_hook(state.split_block_input(sp.blocks[0]), with_kwargs=True)
     for name in sp.blocks:
         block = model.get_submodule(name)
+        block.register_forward_pre_hook(state.split_side_inputs, with_kwargs=True)
         block.register_forward_pre_hook(state.enter_block, with_kwargs=True)
         block.register_forward_hook(state.leave_block)
     last.register_forward_hook(state.gather_last_output)
     for name in sp.parents:
         model.get_submodule(name).register_forward_pre_hook(state.gather_parent_input, with_kwargs=True)
+    for name in sp.whole:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(state.gather_whole_input, with_kwargs=True)
+        module.register_forward_hook(state.chunk_whole_output)
     for name, gathers in sp.columns:
         column = model.get_submodule(name)
         column.__dict__["seq"], column.seq_gathers = state, gathers
     for name in sp.rows:
         model.get_submodule(name).__dict__["seq"] = state
+    for name in sp.closed_rows:
+        row = model.get_submodule(name)
+        row.__dict__["seq"], row.seq_closed = state, True
     for name in sp.grad_allreduce:
         p = model.get_parameter(name)
         if p.requires_grad:

@@ -208,13 +208,17 @@ def _floating(x) -> bool:
 
 
 def map_first_tensor(output, op):
-    """`op` applied to a module's output: a tensor, or the first tensor of a tuple (the hidden states of
-    a block that also returns attention weights or a cache); None when the output is neither."""
+    """`op` applied to a module's output: a tensor, or the first tensor of a tuple or list (the hidden
+    states of a block that also returns attention weights or a cache); None when the output is neither."""
     if isinstance(output, torch.Tensor):
         return op(output)
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (op(output[0]),) + output[1:]
-    return None
+    if not isinstance(output, (tuple, list)) or not output or not isinstance(output[0], torch.Tensor):
+        return None
+    if isinstance(output, list):
+        return [op(output[0]), *output[1:]]
+    if hasattr(output, "_fields"):  # a namedtuple keeps its type
+        return type(output)(op(output[0]), *output[1:])
+    return (op(output[0]),) + output[1:]
 
 
 def _on_output(module: nn.Module, op, kind: str) -> None:
