@@ -35,7 +35,8 @@ def _block_input_tokens(model) -> list:
     plan = model.tpmap_plan
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
     seen: list = []
-    for name in block_prefixes(base)[1:2]:  # block 1: between two blocks, inside the SP region
+    blocks = block_prefixes(base)
+    for name in blocks[1:2] or blocks[:1]:  # block 1: between two blocks (ALBERT: its one, shared block)
         block = base.get_submodule(name)
         block.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(
@@ -49,8 +50,15 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     `train`: train mode with dropout 0 (exercises the dropout-region hooks); `checkpointing` implies it."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
-    inputs, has_labels = loss_kwargs(full, in_dtype(verify.example_inputs(full, seq=seq), dtype))
-    seen = _block_input_tokens(sp)
+    if full.main_input_name == "pixel_values":  # an image of seq - 1 patches + CLS: seq tokens
+        c, p = full.config.num_channels, full.config.patch_size
+        rows = max(d for d in range(1, int((seq - 1) ** 0.5) + 1) if (seq - 1) % d == 0)
+        shape = (2, c, rows * p, (seq - 1) // rows * p)
+        pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
+    else:
+        inputs, has_labels = loss_kwargs(full, in_dtype(verify.example_inputs(full, seq=seq), dtype))
+    seen, seen_tp = _block_input_tokens(sp), _block_input_tokens(tp)
     if train or checkpointing:
         for m in (full, tp, sp):
             zero_dropout_(m)
@@ -77,23 +85,24 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     return {"logits_vs_full": (outs["sp"] - outs["full"]).abs().max().item() / scale,
             "logits_vs_tp": (outs["sp"] - outs["tp"]).abs().max().item() / scale,
             "grad_vs_full": report["worst_rel"], "grad_worst": report["worst_name"], "checked": report["checked"],
-            "grad_vs_tp": worst_tp, "block1_tokens": seen, "seq": seq}
+            "grad_vs_tp": worst_tp, "block1_tokens": seen, "block1_tokens_tp": seen_tp, "seq": seq}
 
 
 def generate_case(ref: str, class_name: str, prompt_len: int = 8, new_tokens: int = 12) -> dict:
     """Greedy generate (batch 2, left-padded): the prefill runs split, the decode steps (T = 1) as plain TP."""
     full, tp, sp = _models(ref, class_name)
-    cfg = full.config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    prompt = torch.randint(3, cfg.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(11))
+    pad = getattr(full.config, "pad_token_id", None)  # CodeGenConfig has none
+    pad = pad if pad is not None else 0
+    vocab = full.config.get_text_config().vocab_size  # Fuyu: text_config
+    prompt = torch.randint(3, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(11))
     mask = torch.ones_like(prompt)
     prompt[1, :3], mask[1, :3] = pad, 0
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=pad)
-    seen = _block_input_tokens(sp)
+    seen, seen_tp = _block_input_tokens(sp), _block_input_tokens(tp)
     want, plain, got = (m.generate(prompt, **kwargs) for m in (full, tp, sp))
     return {"same_as_full": torch.equal(want, got), "same_as_tp": torch.equal(plain, got),
-            "block1_tokens": seen[:3]}
+            "block1_tokens": seen[:3], "block1_tokens_tp": seen_tp[:3]}
 
 
 def collectives_case(ref: str, class_name: str, seq: int = 8) -> dict:
@@ -160,13 +169,19 @@ def dropout_case(ref: str, class_name: str, probe: str) -> dict:
 
 
 def refused_case(ref: str, class_name: str) -> dict:
-    """apply(sequence_parallel=True) on a model it cannot run: the error, and the model left as it was."""
+    """apply(sequence_parallel=True) on a model it cannot run: the error, and the model left as it was.
+    A refusal that only the input can show (hidden states not batch-first) comes at the first forward."""
     from rank_cases import same_signature, state_signature
 
     model = verify.build_model(ref, 0, class_name)
     before = state_signature(model)
     try:
-        tpmap.apply(model, dist.get_world_size(), mapping=verify.resolve(ref), sequence_parallel=True)
+        sp = tpmap.apply(model, dist.get_world_size(), mapping=verify.resolve(ref), sequence_parallel=True)
     except tpmap.TpmapError as e:
-        return {"error": type(e).__name__, "message": str(e), "untouched": same_signature(before, state_signature(model))}
-    return {"error": None, "message": "", "untouched": False}
+        return {"error": type(e).__name__, "message": str(e), "at": "apply",
+                "untouched": same_signature(before, state_signature(model))}
+    try:
+        sp(**verify.example_inputs(sp, seq=8))
+    except tpmap.TpmapError as e:
+        return {"error": type(e).__name__, "message": str(e), "at": "forward", "untouched": None}
+    return {"error": None, "message": "", "at": None, "untouched": False}
