@@ -4,10 +4,14 @@ Between the tensor-parallel regions of the repeated blocks, plain TP holds every
 and computes norms, dropout and residual adds ws times over. SP keeps those activations split along
 the sequence instead (rank r holds tokens [r*T/ws, (r+1)*T/ws)):
 
-    block 0 input            split along the sequence          (backward: all-gather)
+    a stack's first block input  split along the sequence      (backward: all-gather)
     a Column's parent input  all-gather along the sequence     (backward: reduce-scatter)  was: copy
     a Row's output           reduce-scatter along the sequence (backward: all-gather)      was: all-reduce
-    last block output        all-gather along the sequence     (backward: keep this rank's chunk)
+    a stack's last block output  all-gather along the sequence (backward: keep this rank's chunk)
+
+A stack is a ModuleList of repeated blocks: a decoder-only or encoder-only model has one, an
+encoder-decoder two, each split and gathered on its own; the encoder's output reaches the decoder's
+cross-attention whole, as a side input (below).
 
 The split sits at the first block's input, not at the embedding, because transformers models build
 masks, position ids and rotary tables from the input's shape before the blocks; those stay whole.
@@ -28,20 +32,27 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
   embeddings) takes plain TP's copy, whose backward all-reduces its gradient. Which one is read from the
   autograd graph (`_derives_from_gather`), so no gradient is summed twice or missed.
 * A module the mapping keeps whole inside a block (a partial mapping's attention) mixes all the tokens:
-  it runs on the gathered sequence and keeps this rank's chunk of every per-token output. So does a
-  "closed" parent, whose Row's output meets its own gathered input before it returns (ALBERT's attention
-  adds the residual and normalizes inside); its Rows all-reduce (reduce-scatter + all-gather).
-* Other block arguments shaped like the hidden states, (B, T, ...), are split with them (Gemma 4's
-  per-layer inputs), and gathered back with them where a module runs on the whole sequence.
+  it runs on the gathered sequence and keeps this rank's chunk of every per-token output; a tensor from
+  outside the blocks that it reads (an encoder's output) takes plain TP's copy. So does a "closed"
+  parent, whose Row's output meets its own gathered input before it returns (ALBERT's attention adds the
+  residual and normalizes inside); its Rows all-reduce (reduce-scatter + all-gather).
+* In a one-stack model, other block arguments shaped like the hidden states, (B, T, F), are split with
+  them (Gemma 4's per-layer inputs), and gathered back with them where a module runs on the whole
+  sequence. Not with several stacks: there a (B, T, F) argument may be the encoder's output, whole.
+* A per-head embedding Column (T5's relative position bias) inside a gathered parent is looked up for
+  the whole sequence, as in plain TP. Parents that are items of a ModuleList/ModuleDict (experts) are
+  refused: they are called with the tokens routed to them.
 * The hidden states must be batch first: a block input whose first dimension is not the model input's
   batch (XLNet's (T, B, H)) raises at the forward.
 
 A forward whose sequence length is not a multiple of ws (a decode step of generate) runs as plain
 TP. Which kind a backward's gradients came from is recorded in the graph (`_Mark`), so the whole
-parameters' all-reduce follows it; mixing both kinds in one backward raises.
+parameters' all-reduce follows it, per stack (an encoder input that divides and a decoder input that
+does not is fine); mixing both kinds in one stack in one backward raises.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -71,6 +82,7 @@ def _token_wise() -> tuple:
 @dataclass(frozen=True)
 class SequencePlan:
     blocks: tuple[str, ...]  # full names of the repeated blocks, in order
+    ends: tuple[tuple[str, str], ...]  # (first block, last block) of each stack
     parents: tuple[str, ...]  # modules whose first argument (the hidden states) is all-gathered
     columns: tuple[tuple[str, bool], ...]  # (Column, gathers its own input: its parent is a block)
     rows: tuple[str, ...]  # Rows inside the blocks: reduce-scatter
@@ -98,10 +110,13 @@ def build(model: nn.Module, plan) -> SequencePlan:
     if len(holding) == 1:  # other ModuleLists hold no Column (Gemma 3n's AltUp projections): not blocks
         blocks = [b for b in blocks if b.rpartition(".")[0] in holding]
     stacks = sorted({b.rpartition(".")[0] for b in blocks})
-    if len(stacks) != 1:
-        raise _refuse(type(model).__name__, f"it has {len(stacks)} stacks of repeated blocks "
-                      f"({', '.join(stacks) or 'none'}); sequence parallelism supports one stack (a decoder-only "
-                      "or an encoder-only model), whose first block's input is split and last block's output gathered")
+    if not stacks:
+        raise _refuse(type(model).__name__, "it has no stack of repeated blocks (a ModuleList of layers) whose "
+                      "first input could be split and last output gathered")
+    # Each stack (an encoder's, a decoder's) runs as a unit: split at its first block, gathered at its last.
+    # Its output, whole again, reaches the other stack as a side input (cross-attention's keys and values).
+    ends = tuple((min(group, key=_index), max(group, key=_index))
+                 for group in ([b for b in blocks if b.rpartition(".")[0] == s] for s in stacks))
 
     def block_of(name: str) -> str | None:
         return next((b for b in blocks if name.startswith(b + ".")), None)
@@ -120,13 +135,16 @@ def build(model: nn.Module, plan) -> SequencePlan:
         raise _refuse(type(model).__name__, "nothing in its blocks is split (no Column), so there is no "
                       "tensor-parallel region whose all-reduces could become reduce-scatters")
     split_tensors = {t.name for t in plan.tensors}
-    candidates = []
+    candidates, tables = [], []
     for m in shards.values():
         if m.style != "column":
             continue
-        if isinstance(model.get_submodule(m.name), nn.Embedding) or m.gather_output or not m.copy_input:
+        if isinstance(model.get_submodule(m.name), nn.Embedding):
+            tables.append(m.name)  # a per-head table looked up by positions (T5's relative bias): checked below
+            continue
+        if m.gather_output or not m.copy_input:
             raise _refuse(m.name, "a Column inside a block whose input or output does not follow the Column -> Row "
-                          "pattern (an embedding, gather_output, or copy_input: false after an Enter)")
+                          "pattern (gather_output, or copy_input: false after an Enter)")
         candidates.append((m.name, m.name.rpartition(".")[0]))
     # A parent gathers its first argument for the Columns under it. A module holding Columns that holds
     # another such module too (ALBERT's layer: attention and the FFN's Columns) is no gather point: its
@@ -146,6 +164,13 @@ def build(model: nn.Module, plan) -> SequencePlan:
     rows = [m.name for m in shards.values() if m.style == "row"]
     closed = sorted(p for p in parents if _norm_after_row(model, p, [r for r in rows if r.startswith(p + ".")], shards))
     parents -= set(closed)
+    # Parents that are items of a ModuleList / ModuleDict inside a block are experts: each is called with
+    # only the tokens routed to it, not with the hidden states its gather expects.
+    for p in sorted(parents):
+        container = model.get_submodule(p.rpartition(".")[0])
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            raise _refuse(p, f"it is an item of a {type(container).__name__} of modules holding Columns (experts), "
+                          "called with the tokens routed to it, not with the hidden states whose sequence tpmap splits")
     whole = sorted(whole + closed)
     for w in whole:
         if any(w.startswith(p + ".") for p in parents):
@@ -154,6 +179,11 @@ def build(model: nn.Module, plan) -> SequencePlan:
 
     def in_parent(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in parents)
+
+    for name in tables:  # inside a gathered parent it is looked up for the whole sequence, as in plain TP
+        if not (in_parent(name) or any(name.startswith(w + ".") for w in whole)):
+            raise _refuse(name, "an embedding Column inside a block but outside a module whose input is gathered "
+                          "(an attention): its lookups would not cover the whole sequence")
 
     for block in blocks:
         for rel, module in model.get_submodule(block).named_modules():
@@ -189,8 +219,12 @@ def build(model: nn.Module, plan) -> SequencePlan:
                 continue  # already summed over the ranks, or this rank's items of a split ModuleList
             grad_allreduce.append(name)
     closed_rows = tuple(r for r in rows if any(r.startswith(c + ".") for c in closed))
-    return SequencePlan(tuple(blocks), tuple(sorted(parents)), tuple(columns),
+    return SequencePlan(tuple(blocks), ends, tuple(sorted(parents)), tuple(columns),
                         tuple(r for r in rows if r not in closed_rows), tuple(grad_allreduce), tuple(whole), closed_rows)
+
+
+def _index(block: str) -> int:
+    return int(block.rpartition(".")[2])
 
 
 def _norm_after_row(model: nn.Module, parent: str, rows: list[str], shards: dict) -> bool:
@@ -209,14 +243,14 @@ class _Mark(torch.autograd.Function):
     """Identity; in backward, records on `state` whether the forward it closes ran split (see `summed`)."""
 
     @staticmethod
-    def forward(ctx, x, state, split):
-        ctx.state, ctx.split = state, split
+    def forward(ctx, x, state, stack, split):
+        ctx.state, ctx.stack, ctx.split = state, stack, split
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.state.backward_from(ctx.split)
-        return grad, None, None
+        ctx.state.backward_from(ctx.stack, ctx.split)
+        return grad, None, None, None
 
 
 class _SeqLinear(torch.autograd.Function):
@@ -247,16 +281,21 @@ class SequenceState:
     """Per-model state shared by the hooks and the Columns/Rows of the blocks: whether this forward runs
     split (`active`: the sequence length divides by ws), and its whole token count (B * T)."""
 
-    def __init__(self, group):
+    def __init__(self, group, stacks: int = 1):
         self.group, self.ws = group, dist.get_world_size(group)
         self.active = False
         self.tokens = 0  # B * T of the whole sequence in this forward
         self._shared: tuple | None = None  # (x, gathered x, x detached): siblings share one gather
         self._parent: tuple | None = None  # (gathered, this rank's chunk) of the last parent's input
-        self._task, self._split = None, False  # the backward (graph task) last marked, and its kind
+        self._task, self._split = None, {}  # the backward (graph task) last marked; per stack, its kind
+        self._active: dict[int, bool] = {}  # per stack: whether its last forward ran split
         self._gathers: set = set()  # autograd nodes of this forward's gathers (see _derives_from_gather)
         self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
         self._full_shape = torch.Size()  # (B, T) of the first block's input
+        # Other tensors shaped like this rank's tokens or the whole sequence are per-token inputs (split with the
+        # hidden states) only in a one-stack model: in an encoder-decoder the decoder's blocks also take the
+        # encoder's output, a different sequence that stays whole, which may have the same length by chance.
+        self.side_inputs = stacks == 1
 
     def record_batch(self, module, args, kwargs):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -273,7 +312,7 @@ class SequenceState:
             _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
         elif self._parent is not None and self._parent[0] is x:  # the parent's gathered input (most models)
             full, local = x, self._parent[1]
-        elif x.numel() // max(x.shape[-1], 1) == self.tokens // self.ws != self.tokens:
+        elif x.numel() // max(x.shape[-1], 1) == self.tokens // self.ws != self.tokens and self.side_inputs:
             # this rank's tokens, passed to the parent beside its first argument (MobileBERT's value input)
             if self._shared is None or self._shared[0] is not x:
                 self._shared = (x, self._gather(x), x.detach())
@@ -316,7 +355,7 @@ class SequenceState:
                 "argument. Apply without sequence_parallel for this model")
 
     # -- the hooks ----------------------------------------------------------------------------------------
-    def split_block_input(self, block_name: str):
+    def split_block_input(self, block_name: str, stack: int = 0):
         def hook(module, args, kwargs):
             hidden, put = _first_argument(module, args, kwargs)
             if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
@@ -328,7 +367,7 @@ class SequenceState:
                     f"sequence parallelism: {block_name} takes hidden states of shape {tuple(hidden.shape)} for a "
                     f"batch of {self.batch}: they are not batch first (B, T, H), so tpmap "
                     "cannot tell which dimension is the sequence. Apply without sequence_parallel for this model")
-            self.active = hidden.shape[SEQ_DIM] % self.ws == 0
+            self.active = self._active[stack] = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
             self._full_shape = hidden.shape[:2]
             self._shared = self._parent = None
@@ -340,13 +379,13 @@ class SequenceState:
         """Every block argument other than the hidden states that holds the whole sequence as they did,
         (B, T, ...): a per-token input (Gemma 4's per-layer inputs), split with them. Inside a parent it is
         gathered back with them (`_gather_arguments`), so position tables passed as tensors stay exact."""
-        if not self.active:
+        if not (self.active and self.side_inputs):
             return None
         hidden, _ = _first_argument(module, args, kwargs)
         cut: dict[int, torch.Tensor] = {}
 
         def put(a):
-            if a is hidden or not (isinstance(a, torch.Tensor) and a.dim() >= 3 and a.shape[:2] == self._full_shape):
+            if a is hidden or not (isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == self._full_shape):
                 return a
             if id(a) not in cut:
                 cut[id(a)] = split_to_sequence_region(a, self.group, SEQ_DIM)  # (B, T, ..) -> (B, T/ws, ..)
@@ -372,7 +411,8 @@ class SequenceState:
         gathered: dict[int, torch.Tensor] = {}
 
         def put(a):
-            if not (isinstance(a, torch.Tensor) and a.dim() >= 3 and a.shape[:2] == hidden.shape[:2]):
+            if a is not hidden and not (self.side_inputs and isinstance(a, torch.Tensor) and a.dim() == 3
+                                        and a.shape[:2] == hidden.shape[:2]):
                 return a
             if id(a) not in gathered:
                 gathered[id(a)] = self._gather(a, SEQ_DIM)  # (B, T/ws, ..) -> (B, T, ..)
@@ -390,7 +430,9 @@ class SequenceState:
         sequence on every rank, and `chunk_whole_output` keeps this rank's tokens of its output. Backward:
         each rank's input gradient is its chunk's part, summed over the ranks by the gather's reduce-scatter;
         its whole parameters' gradients are summed like a norm's. A parent whose Row's output meets its
-        own gathered input (ALBERT's attention: residual and LayerNorm inside) runs the same way."""
+        own gathered input (ALBERT's attention: residual and LayerNorm inside) runs the same way.
+        A tensor from outside the blocks that it reads too (a decoder's cross-attention reading the encoder's
+        output) gets plain TP's copy: each rank's gradient covers only its chunk, summed by the copy's backward."""
         if not self.active:
             return None
         hidden, _ = _first_argument(module, args, kwargs)
@@ -400,7 +442,16 @@ class SequenceState:
         self._check(hidden, self.tokens // self.ws, module, "input")
         args, kwargs, gathered = self._gather_arguments(hidden, args, kwargs)
         self._parent = (gathered[id(hidden)], hidden.detach())
-        return args, kwargs
+        copied: dict[int, torch.Tensor] = {}
+
+        def put(a):
+            if not (isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled()) \
+                    or any(a is g for g in gathered.values()) or self._derives_from_gather(a):
+                return a
+            if id(a) not in copied:
+                copied[id(a)] = copy_to_tp_region(a, self.group)  # backward: all-reduce
+            return copied[id(a)]
+        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}
 
     def chunk_whole_output(self, module, args, output):
         if not self.active:
@@ -415,7 +466,7 @@ class SequenceState:
         chunks: dict[int, torch.Tensor] = {}
 
         def chunk(y):  # (B, T, ..) -> (B, T/ws, ..); backward: zeros outside this rank's tokens
-            if not (isinstance(y, torch.Tensor) and y.dim() >= 3 and y.shape[:2] == first.shape[:2]):
+            if not (isinstance(y, torch.Tensor) and y.dim() == 3 and y.shape[:2] == first.shape[:2]):
                 return y
             if id(y) not in chunks:
                 n = y.shape[1] // self.ws
@@ -447,33 +498,41 @@ class SequenceState:
             rng.leave_sharded_region()
         return None
 
-    def gather_last_output(self, module, args, output):
-        self._shared = self._parent = None
+    def gather_last_output(self, stack: int = 0):
+        def hook(module, args, output):
+            self._shared = self._parent = None
 
-        def gather(y):  # (B, T/ws, H) -> (B, T, H); backward: this rank's chunk (what follows is replicated)
-            if self.active:
-                y = gather_from_sequence_region(y, self.group, SEQ_DIM, reduce_grad=False)
-            return _Mark.apply(y, self, self.active) if y.requires_grad and torch.is_grad_enabled() else y
+            def gather(y):  # (B, T/ws, H) -> (B, T, H); backward: this rank's chunk (what follows is replicated)
+                if self.active:
+                    y = gather_from_sequence_region(y, self.group, SEQ_DIM, reduce_grad=False)
+                if y.requires_grad and torch.is_grad_enabled():
+                    y = _Mark.apply(y, self, stack, self.active)
+                return y
 
-        mapped = map_first_tensor(output, gather)
-        if mapped is not None:
-            return mapped
-        raise SequenceParallelError(f"sequence parallelism: the last block ({type(module).__name__}) returned "
-                                    f"{type(output).__name__}, not hidden states (or a tuple starting with them)")
+            mapped = map_first_tensor(output, gather)
+            if mapped is not None:
+                return mapped
+            raise SequenceParallelError(f"sequence parallelism: the last block ({type(module).__name__}) returned "
+                                        f"{type(output).__name__}, not hidden states (or a tuple starting with them)")
+        return hook
 
     # -- gradients of whole parameters ---------------------------------------------------------------------
-    def backward_from(self, split: bool) -> None:
+    def backward_from(self, stack: int, split: bool) -> None:
         task = torch._C._current_graph_task_id()
-        if task == self._task and split != self._split:
+        if task != self._task:
+            self._task, self._split = task, {}
+        if self._split.get(stack, split) != split:
             raise SequenceParallelError(
                 "one backward runs through forwards with and without sequence parallelism (a sequence length "
                 "that divides by the world size and one that does not): the gradients of the whole parameters "
                 "cannot be summed right for both. Call backward after each forward, or pad to a multiple of ws")
-        self._task, self._split = task, split
+        self._split[stack] = split
 
-    def summed(self, grad: torch.Tensor) -> torch.Tensor:
-        """A whole parameter's gradient: summed over the ranks when its backward came from a split forward."""
-        split = self._split if self._task == torch._C._current_graph_task_id() else self.active
+    def summed(self, stack: int, grad: torch.Tensor) -> torch.Tensor:
+        """A whole parameter's gradient: summed over the ranks when its backward came from a split forward of
+        its stack (an encoder's input may divide by ws while the decoder's does not)."""
+        task = torch._C._current_graph_task_id()
+        split = self._split[stack] if self._task == task and stack in self._split else self._active.get(stack, False)
         if not split:
             return grad
         grad = grad.contiguous().clone()
@@ -506,16 +565,16 @@ def _first_argument(module: nn.Module, args: tuple, kwargs: dict):
 
 def install(model: nn.Module, sp: SequencePlan, group) -> SequenceState:
     """Hook the blocks and parents, and point the blocks' Columns and Rows at one shared state."""
-    state = SequenceState(group)
+    state = SequenceState(group, len(sp.ends))
     model.register_forward_pre_hook(state.record_batch, with_kwargs=True)
-    first, last = model.get_submodule(sp.blocks[0]), model.get_submodule(sp.blocks[-1])
-    first.register_forward_pre_hook(state.split_block_input(sp.blocks[0]), with_kwargs=True)
+    for stack, (first, last) in enumerate(sp.ends):
+        model.get_submodule(first).register_forward_pre_hook(state.split_block_input(first, stack), with_kwargs=True)
+        model.get_submodule(last).register_forward_hook(state.gather_last_output(stack))
     for name in sp.blocks:
         block = model.get_submodule(name)
         block.register_forward_pre_hook(state.split_side_inputs, with_kwargs=True)
         block.register_forward_pre_hook(state.enter_block, with_kwargs=True)
         block.register_forward_hook(state.leave_block)
-    last.register_forward_hook(state.gather_last_output)
     for name in sp.parents:
         model.get_submodule(name).register_forward_pre_hook(state.gather_parent_input, with_kwargs=True)
     for name in sp.whole:
@@ -533,5 +592,6 @@ def install(model: nn.Module, sp: SequencePlan, group) -> SequenceState:
     for name in sp.grad_allreduce:
         p = model.get_parameter(name)
         if p.requires_grad:
-            p.register_hook(state.summed)
+            stack = next(i for i, (first, _) in enumerate(sp.ends) if name.startswith(first.rpartition(".")[0] + "."))
+            p.register_hook(functools.partial(state.summed, stack))
     return state

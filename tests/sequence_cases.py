@@ -35,8 +35,13 @@ def _block_input_tokens(model) -> list:
     plan = model.tpmap_plan
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
     seen: list = []
-    blocks = block_prefixes(base)
-    for name in blocks[1:2] or blocks[:1]:  # block 1: between two blocks (ALBERT: its one, shared block)
+    stacks: dict[str, list[str]] = {}
+    columns = [m.name for m in plan.modules if m.style == "column"]
+    for b in block_prefixes(base):  # an encoder-decoder has two stacks: each one's block 1 records
+        if any(c.startswith(plan.base_prefix + b + ".") for c in columns):  # not Gemma 3n's AltUp lists
+            stacks.setdefault(b.rpartition(".")[0], []).append(b)
+    for blocks in stacks.values():
+        name = (blocks[1:2] or blocks[:1])[0]  # block 1: between two blocks (ALBERT: its one, shared block)
         block = base.get_submodule(name)
         block.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(
@@ -45,9 +50,10 @@ def _block_input_tokens(model) -> list:
 
 
 def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq: int = 8, train: bool = False,
-              checkpointing: bool = False) -> dict:
+              checkpointing: bool = False, decoder_seq: int | None = None) -> dict:
     """Logits and one backward of a transformers loss: SP against the unsharded model and against plain TP.
-    `train`: train mode with dropout 0 (exercises the dropout-region hooks); `checkpointing` implies it."""
+    `train`: train mode with dropout 0 (exercises the dropout-region hooks); `checkpointing` implies it.
+    An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`)."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
     if full.main_input_name == "pixel_values":  # an image of seq - 1 patches + CLS: seq tokens
@@ -57,7 +63,13 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
-        inputs, has_labels = loss_kwargs(full, in_dtype(verify.example_inputs(full, seq=seq), dtype))
+        declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
+        inputs = verify.example_inputs(full, declared, seq=seq)
+        if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
+            inputs["decoder_input_ids"] = torch.randint(3, inputs["decoder_input_ids"].max().item() + 1,
+                                                        (2, decoder_seq or seq),
+                                                        generator=torch.Generator().manual_seed(2))
+        inputs, has_labels = loss_kwargs(full, in_dtype(inputs, dtype))
     seen, seen_tp = _block_input_tokens(sp), _block_input_tokens(tp)
     if train or checkpointing:
         for m in (full, tp, sp):
@@ -89,16 +101,23 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
 
 
 def generate_case(ref: str, class_name: str, prompt_len: int = 8, new_tokens: int = 12) -> dict:
-    """Greedy generate (batch 2, left-padded): the prefill runs split, the decode steps (T = 1) as plain TP."""
+    """Greedy generate, batch 2: the prefill (an encoder-decoder's encoder) runs split, the decode steps (T = 1)
+    as plain TP. Decoder-only prompts are left-padded; a model whose main input is not input_ids (Whisper's
+    input_features) generates from its verify config's example of that input."""
     full, tp, sp = _models(ref, class_name)
     pad = getattr(full.config, "pad_token_id", None)  # CodeGenConfig has none
     pad = pad if pad is not None else 0
-    vocab = full.config.get_text_config().vocab_size  # Fuyu: text_config
-    prompt = torch.randint(3, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(11))
-    mask = torch.ones_like(prompt)
-    prompt[1, :3], mask[1, :3] = pad, 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=pad)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    if full.main_input_name == "input_ids":
+        vocab = full.config.get_text_config().vocab_size  # Fuyu: text_config
+        prompt = torch.randint(3, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(11))
+        mask = torch.ones_like(prompt)
+        if not getattr(full.config, "is_encoder_decoder", False):
+            prompt[1, :3], mask[1, :3] = pad, 0
+        kwargs["attention_mask"] = mask
+    else:
+        declared = verify.resolve(ref).mapping.verify[0].inputs
+        prompt = verify.example_inputs(full, declared, seq=prompt_len)[full.main_input_name]
     seen, seen_tp = _block_input_tokens(sp), _block_input_tokens(tp)
     want, plain, got = (m.generate(prompt, **kwargs) for m in (full, tp, sp))
     return {"same_as_full": torch.equal(want, got), "same_as_tp": torch.equal(plain, got),
