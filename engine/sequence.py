@@ -392,14 +392,19 @@ class SequenceState:
             return cut[id(a)]
         return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}
 
+    def _split_input(self, module, args, kwargs):
+        """(the hidden states, this rank's tokens, first in args/kwargs; a function that replaces them)."""
+        hidden, put = _first_argument(module, args, kwargs)
+        if not isinstance(hidden, torch.Tensor):
+            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} is run on the whole sequence "
+                                        f"but takes {type(hidden).__name__} first, not the hidden states")
+        self._check(hidden, self.tokens // self.ws, module, "input")
+        return hidden, put
+
     def gather_parent_input(self, module, args, kwargs):
         if not self.active:
             return None
-        hidden, put = _first_argument(module, args, kwargs)
-        if not isinstance(hidden, torch.Tensor):
-            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} holds Columns but takes "
-                                        f"{type(hidden).__name__} first, not the hidden states")
-        self._check(hidden, self.tokens // self.ws, module, "input")
+        hidden, put = self._split_input(module, args, kwargs)
         full = self._gather(hidden)  # (B, T/ws, H) -> (B, T, H)
         self._parent = (full, hidden.detach())
         return put(full)  # other arguments stay as they are: a residual added to the Row's output stays split
@@ -435,11 +440,7 @@ class SequenceState:
         output) gets plain TP's copy: each rank's gradient covers only its chunk, summed by the copy's backward."""
         if not self.active:
             return None
-        hidden, _ = _first_argument(module, args, kwargs)
-        if not isinstance(hidden, torch.Tensor):
-            raise SequenceParallelError(f"sequence parallelism: {type(module).__name__} takes "
-                                        f"{type(hidden).__name__} first, not the hidden states")
-        self._check(hidden, self.tokens // self.ws, module, "input")
+        hidden, _ = self._split_input(module, args, kwargs)
         args, kwargs, gathered = self._gather_arguments(hidden, args, kwargs)
         self._parent = (gathered[id(hidden)], hidden.detach())
         copied: dict[int, torch.Tensor] = {}
