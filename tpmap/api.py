@@ -122,8 +122,9 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       ``generate`` also compares its arguments (max_new_tokens, ...) once per call.
     * ``sequence_parallel``: keep the activations between the repeated blocks split along the sequence
       (Megatron-SP; `tpmap.engine.sequence`): norms, dropout and residual adds run on T/ws tokens per rank.
-      A forward whose sequence length does not divide by the world size runs as plain TP. Models it
-      cannot run (several block stacks, MoE, SSM mixers) raise `SequenceParallelError` here.
+      Each stack of blocks (an encoder-decoder has two) is split and gathered on its own. A forward whose
+      sequence length does not divide by the world size runs as plain TP. Models it cannot run (MoE
+      experts and routers, SSM mixers and convolutions) raise `SequenceParallelError` here.
 
     Example (run under ``torchrun --nproc-per-node 2``)::
 

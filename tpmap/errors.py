@@ -109,8 +109,9 @@ class CheckpointError(TpmapError):
 
 
 class SequenceParallelError(TpmapError):
-    """`sequence_parallel=True` was asked of a model whose blocks cannot run on sequence-split tokens (several
-    block stacks, MoE experts, SSM mixers, convolutions), or a forward broke its assumptions."""
+    """`sequence_parallel=True` was asked of a model whose blocks cannot run on sequence-split tokens (MoE
+    experts and routers, SSM mixers, convolutions), or a forward broke its assumptions (hidden states that
+    are not batch first)."""
 
 
 class LoadError(TpmapError):
