@@ -281,7 +281,7 @@ class SequenceState:
     """Per-model state shared by the hooks and the Columns/Rows of the blocks: whether this forward runs
     split (`active`: the sequence length divides by ws), and its whole token count (B * T)."""
 
-    def __init__(self, group, stacks: int = 1):
+    def __init__(self, group, stacks: int):
         self.group, self.ws = group, dist.get_world_size(group)
         self.active = False
         self.tokens = 0  # B * T of the whole sequence in this forward
@@ -290,6 +290,7 @@ class SequenceState:
         self._task, self._split = None, {}  # the backward (graph task) last marked; per stack, its kind
         self._active: dict[int, bool] = {}  # per stack: whether its last forward ran split
         self._gathers: set = set()  # autograd nodes of this forward's gathers (see _derives_from_gather)
+        self._copies: dict[int, tuple] = {}  # id -> (tensor from outside the blocks, its copy), this forward
         self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
         self._full_shape = torch.Size()  # (B, T) of the first block's input
         # Other tensors shaped like this rank's tokens or the whole sequence are per-token inputs (split with the
@@ -306,17 +307,12 @@ class SequenceState:
         """A Column's product on the whole sequence, (..., T/ws or T, in) -> (..., T, out/ws): gathered here
         (siblings reading one tensor share the gather) or by the parent. Saves only this rank's tokens."""
         if column.seq_gathers:
-            if self._shared is None or self._shared[0] is not x:
-                self._check(x, self.tokens // self.ws, column, "input")
-                self._shared = (x, self._gather(x), x.detach())
-            _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
+            self._check(x, self.tokens // self.ws, column, "input")
+            full, local = self._shared_gather(x)
         elif self._parent is not None and self._parent[0] is x:  # the parent's gathered input (most models)
             full, local = x, self._parent[1]
         elif x.numel() // max(x.shape[-1], 1) == self.tokens // self.ws != self.tokens and self.side_inputs:
-            # this rank's tokens, passed to the parent beside its first argument (MobileBERT's value input)
-            if self._shared is None or self._shared[0] is not x:
-                self._shared = (x, self._gather(x), x.detach())
-            _, full, local = self._shared  # (.., T/ws, in) -> (.., T, in)
+            full, local = self._shared_gather(x)  # this rank's tokens beside the parent's input (MobileBERT's value)
         elif not (x.requires_grad and torch.is_grad_enabled()):  # no backward: only the forward must be right
             return _matmul(x, column.weight, column.reverse)
         elif self._derives_from_gather(x):  # computed from the gathered input inside the parent (a norm)
@@ -325,8 +321,21 @@ class SequenceState:
             local = x.detach().narrow(-2, dist.get_rank(self.group) * (x.shape[-2] // self.ws),
                                       x.shape[-2] // self.ws).contiguous()
         else:  # a side input from outside the blocks (DeBERTa's relative embeddings): plain TP's copy
-            return _matmul(copy_to_tp_region(x, self.group), column.weight, column.reverse)
+            return _matmul(self._copied(x), column.weight, column.reverse)
         return _SeqLinear.apply(full, local, column.weight, column.reverse, self.group)
+
+    def _shared_gather(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x all-gathered along dim -2, x detached): siblings reading one tensor share one gather."""
+        if self._shared is None or self._shared[0] is not x:
+            self._shared = (x, self._gather(x), x.detach())
+        return self._shared[1], self._shared[2]  # (.., T, in), (.., T/ws, in)
+
+    def _copied(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain TP's copy of a tensor from outside the blocks (identity; backward: all-reduce), one per tensor
+        per forward: every layer reading it (an encoder's output, relative embeddings) shares one gradient sum."""
+        if id(x) not in self._copies:
+            self._copies[id(x)] = (x, copy_to_tp_region(x, self.group))  # holds x: its id stays its own
+        return self._copies[id(x)][1]
 
     def _derives_from_gather(self, x: torch.Tensor) -> bool:
         """Whether x's autograd graph reaches a sequence gather of this forward (its gradient is then summed
@@ -355,7 +364,7 @@ class SequenceState:
                 "argument. Apply without sequence_parallel for this model")
 
     # -- the hooks ----------------------------------------------------------------------------------------
-    def split_block_input(self, block_name: str, stack: int = 0):
+    def split_block_input(self, block_name: str, stack: int):
         def hook(module, args, kwargs):
             hidden, put = _first_argument(module, args, kwargs)
             if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
@@ -371,7 +380,7 @@ class SequenceState:
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
             self._full_shape = hidden.shape[:2]
             self._shared = self._parent = None
-            self._gathers = set()
+            self._gathers, self._copies = set(), {}
             return put(split_to_sequence_region(hidden, self.group, SEQ_DIM) if self.active else hidden)
         return hook
 
@@ -382,15 +391,10 @@ class SequenceState:
         if not (self.active and self.side_inputs):
             return None
         hidden, _ = _first_argument(module, args, kwargs)
-        cut: dict[int, torch.Tensor] = {}
-
-        def put(a):
-            if a is hidden or not (isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == self._full_shape):
-                return a
-            if id(a) not in cut:
-                cut[id(a)] = split_to_sequence_region(a, self.group, SEQ_DIM)  # (B, T, ..) -> (B, T/ws, ..)
-            return cut[id(a)]
-        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}
+        args, kwargs, _ = _map_arguments(
+            args, kwargs, lambda a: a is not hidden and _per_token(a, self._full_shape),
+            lambda a: split_to_sequence_region(a, self.group, SEQ_DIM))  # (B, T, ..) -> (B, T/ws, ..)
+        return args, kwargs
 
     def _split_input(self, module, args, kwargs):
         """(the hidden states, this rank's tokens, first in args/kwargs; a function that replaces them)."""
@@ -413,16 +417,9 @@ class SequenceState:
         """All-gather the first argument and every other argument holding this rank's tokens as it does,
         (B, T/ws, ...), for a module run on the whole sequence (a residual it adds inside, too); the others
         (masks, position tables) are whole already. Returns (args, kwargs, {id(tensor): gathered})."""
-        gathered: dict[int, torch.Tensor] = {}
-
-        def put(a):
-            if a is not hidden and not (self.side_inputs and isinstance(a, torch.Tensor) and a.dim() == 3
-                                        and a.shape[:2] == hidden.shape[:2]):
-                return a
-            if id(a) not in gathered:
-                gathered[id(a)] = self._gather(a, SEQ_DIM)  # (B, T/ws, ..) -> (B, T, ..)
-            return gathered[id(a)]
-        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}, gathered
+        return _map_arguments(args, kwargs,
+                              lambda a: a is hidden or (self.side_inputs and _per_token(a, hidden.shape[:2])),
+                              lambda a: self._gather(a, SEQ_DIM))  # (B, T/ws, ..) -> (B, T, ..)
 
     def _gather(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         full = gather_from_sequence_region(x, self.group, dim)  # (.., T/ws, H) -> (.., T, H)
@@ -443,16 +440,10 @@ class SequenceState:
         hidden, _ = self._split_input(module, args, kwargs)
         args, kwargs, gathered = self._gather_arguments(hidden, args, kwargs)
         self._parent = (gathered[id(hidden)], hidden.detach())
-        copied: dict[int, torch.Tensor] = {}
-
-        def put(a):
-            if not (isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled()) \
-                    or any(a is g for g in gathered.values()) or self._derives_from_gather(a):
-                return a
-            if id(a) not in copied:
-                copied[id(a)] = copy_to_tp_region(a, self.group)  # backward: all-reduce
-            return copied[id(a)]
-        return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}
+        args, kwargs, _ = _map_arguments(
+            args, kwargs, lambda a: isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled()
+            and not any(a is g for g in gathered.values()) and not self._derives_from_gather(a), self._copied)
+        return args, kwargs
 
     def chunk_whole_output(self, module, args, output):
         if not self.active:
@@ -499,7 +490,7 @@ class SequenceState:
             rng.leave_sharded_region()
         return None
 
-    def gather_last_output(self, stack: int = 0):
+    def gather_last_output(self, stack: int):
         def hook(module, args, output):
             self._shared = self._parent = None
 
@@ -564,6 +555,25 @@ def _first_argument(module: nn.Module, args: tuple, kwargs: dict):
     return first, put
 
 
+def _per_token(a, tokens_shape) -> bool:
+    """Whether `a` is a (B, T, F) tensor over the same tokens as hidden states of shape (B, T, H)."""
+    return isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == tokens_shape
+
+
+def _map_arguments(args: tuple, kwargs: dict, selected, op):
+    """(args, kwargs, {id: result}) with op applied to each selected argument, once per tensor (an argument
+    passed twice maps to one result)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def put(a):
+        if not selected(a):
+            return a
+        if id(a) not in done:
+            done[id(a)] = op(a)
+        return done[id(a)]
+    return tuple(put(a) for a in args), {k: put(a) for k, a in kwargs.items()}, done
+
+
 def install(model: nn.Module, sp: SequencePlan, group) -> SequenceState:
     """Hook the blocks and parents, and point the blocks' Columns and Rows at one shared state."""
     state = SequenceState(group, len(sp.ends))
@@ -590,9 +600,10 @@ def install(model: nn.Module, sp: SequencePlan, group) -> SequenceState:
     for name in sp.closed_rows:
         row = model.get_submodule(name)
         row.__dict__["seq"], row.seq_closed = state, True
+    stacks = [first.rpartition(".")[0] + "." for first, _ in sp.ends]
     for name in sp.grad_allreduce:
         p = model.get_parameter(name)
         if p.requires_grad:
-            stack = next(i for i, (first, _) in enumerate(sp.ends) if name.startswith(first.rpartition(".")[0] + "."))
+            stack = next(i for i, prefix in enumerate(stacks) if name.startswith(prefix))
             p.register_hook(functools.partial(state.summed, stack))
     return state
