@@ -203,11 +203,11 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from tpmap import loader
+    from tpmap.spec import source
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    types = args.types.split(",") if args.types else sorted(loader.shipped_files())
+    types = args.types.split(",") if args.types else sorted(source.shipped_files())
     results = []
     for model_type in types:
         r = measure(model_type)

@@ -34,8 +34,9 @@ def model_types(path: Path) -> list[str]:
 def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) -> tuple[str, str]:
     """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft' (with the drafter's error,
     also when it crashed rather than refused)."""
-    from tpmap import draft, loader, verify
-    from tpmap.errors import TpmapError
+    from tpmap import draft, verify
+    from tpmap.spec import source
+    from tpmap.spec.errors import TpmapError
     from tpmap.launch import RankFailure
 
     try:
@@ -47,7 +48,7 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
     path = folder / f"{model_type}.yaml"
     path.write_text(text, encoding="utf-8")
     try:
-        mapping = loader.load_file(path).mapping
+        mapping = source.load_file(path).mapping
     except TpmapError as e:
         return "does not load", str(e).splitlines()[0]
     spec = mapping.verify[0]

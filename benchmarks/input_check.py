@@ -27,7 +27,7 @@ def measure(runs: int) -> dict:
     from transformers import AutoConfig, DynamicCache, LlamaForCausalLM
 
     import tpmap
-    from tpmap.api import _same_inputs_on_every_rank
+    from tpmap.guards import input_check
 
     torch.manual_seed(0)
     full = LlamaForCausalLM(AutoConfig.for_model("llama", **LLAMA_160M)).eval()
@@ -36,7 +36,7 @@ def measure(runs: int) -> dict:
     unchecked = tpmap.apply(full, ws, check_inputs=False)
     ids = torch.randint(3, 32000, (1, 8), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    hook = _same_inputs_on_every_rank(checked, None)
+    hook = input_check(checked, None)
     times: dict[str, list[float]] = {k: [] for k in ("forward_checked", "forward_unchecked", "hook",
                                                       "decode_checked", "decode_unchecked")}
 

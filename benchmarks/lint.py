@@ -18,8 +18,8 @@ import transformers  # noqa: E402,F401
 import transformers.modeling_utils  # noqa: E402,F401  (transformers imports it lazily, ~1 s, once)
 from transformers import AutoConfig  # noqa: E402,F401
 
-from tpmap import loader  # noqa: E402
-from tpmap.errors import MappingErrors  # noqa: E402
+from tpmap.spec import source  # noqa: E402
+from tpmap.spec.errors import MappingErrors  # noqa: E402
 from tpmap.lint import collect_files  # noqa: E402
 from tpmap.lint.rules import structural  # noqa: E402
 
@@ -29,7 +29,7 @@ IMPORTS = time.perf_counter() - t0
 def phases(path: str) -> tuple[float, float, int]:
     t = time.perf_counter()
     try:
-        loaded = loader.load_text(Path(path).read_text(encoding="utf-8"), path)
+        loaded = source.load_text(Path(path).read_text(encoding="utf-8"), path)
     except MappingErrors as e:  # schema errors: the structural phase does not run
         return time.perf_counter() - t, 0.0, len(e.errors)
     t1 = time.perf_counter()

@@ -58,7 +58,7 @@ def write_checkpoint(folder: Path, class_name: str, overrides: dict, max_shard_s
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from tpmap.checkpoint import SafetensorsWriter
+    from tpmap.checkpoint.safetensors import SafetensorsWriter
 
     cls = getattr(transformers, class_name)
     config = AutoConfig.for_model(cls.config_class.model_type, **overrides)
@@ -120,7 +120,7 @@ def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from tpmap import conversion
+    from tpmap.checkpoint import conversion
 
     conversion.LAZY_CONVERSIONS = not whole
     del_model = _load(method, warm, world_size)  # imports and code paths warm; measured run below

@@ -15,8 +15,8 @@ from torch import nn
 
 import torch.distributed as dist
 
-from . import rng
-from .collectives import (
+from tpmap.engine import rng
+from tpmap.engine.collectives import (
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -27,7 +27,6 @@ from .collectives import (
 
 class _TPModule(nn.Module):
     """Base: holds the process group outside the module tree (a group cannot be deep-copied or saved)."""
-
     tp_group = None
     seq = None  # sequence parallelism's per-model state (engine.sequence), set on Columns and Rows in blocks
     dropout_watch = None  # rng.DropoutWatch of the model (engine.shard), for the compiled RNG region
@@ -50,7 +49,6 @@ class ColumnParallelLinear(_TPModule):
 
     Example (2 ranks): an nn.Linear(8, 6) becomes weight (3, 8) per rank; X (B, T, 8) -> Y_r (B, T, 3).
     """
-
     shared_copy = None  # collectives.SharedCopy of the Columns of one module (engine.shard), else None
 
     def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
@@ -89,7 +87,6 @@ class RowParallelLinear(_TPModule):
 
     Example (2 ranks): an nn.Linear(6, 8) becomes weight (8, 3) per rank; X_r (B, T, 3) -> Y (B, T, 8).
     """
-
     seq_closed = False  # sequence parallelism: this Row sits in a parent run on the whole sequence
 
     def __init__(self, weight, bias, *, reverse: bool, group):
@@ -150,7 +147,6 @@ class VocabParallelEmbedding(nn.Embedding):
     ``num_embeddings`` keeps the full vocabulary; ``padding_idx`` is local to the shard (None on the
     ranks that do not hold it), so code that indexes the weight by it stays in bounds.
     """
-
     tp_group = None  # set per instance, outside the module tree (a group cannot be deep-copied or saved)
 
     @classmethod
@@ -249,7 +245,7 @@ class VocabParallelLMHead(_TPModule):
 
     The logits are all-gathered and cut to the real vocabulary, so padded logits never reach outputs:
     (B, T, H) -> (B, T, V). With ``loss_parallel`` set, in training mode they stay split,
-    (B, T, V_pad/ws), for `engine.loss.vocab_parallel_cross_entropy`, which masks the padding; in eval
+    (B, T, V_pad/ws), for `engine.loss.sharded_cross_entropy`, which masks the padding; in eval
     mode (generate, evaluation) they are gathered all the same.
     """
 

@@ -47,7 +47,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, head, ignore_index: int = -100,
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, head, ignore_index: int = -100,
                                  num_items_in_batch=None) -> torch.Tensor:
     """Mean (or sum / num_items_in_batch) cross-entropy against target (...) of a `VocabParallelLMHead`'s
     logits: its local shard (..., V_pad/ws), or gathered logits (..., V), of which this rank's part is used."""
@@ -78,6 +78,6 @@ def hf_loss_function(original, head):
         if shift:
             labels = shift_labels if shift_labels is not None else (
                 torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:])
-        return vocab_parallel_cross_entropy(logits, labels, head, ignore_index, num_items_in_batch)
+        return sharded_cross_entropy(logits, labels, head, ignore_index, num_items_in_batch)
 
     return loss_function

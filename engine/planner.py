@@ -14,30 +14,58 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tpmap import expr
-from tpmap.errors import (
+from tpmap.engine import pieces as split
+from tpmap.engine.layers import lookup_bypass
+from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamShard, Plan
+from tpmap.spec import expr
+from tpmap.spec.errors import (
     ConfigAttributeError,
     DivisibilityError,
     ModuleKindError,
     PatternMatchError,
     TpmapError,
+    UnsupportedConfigError,
     did_you_mean,
 )
-from tpmap.loader import LoadedMapping
-from tpmap.schema import Column, Enter, Input, Norm, Param, Reduce, Row, Update, config_matches
+from tpmap.spec.patterns import match_entry, match_modules, suggest_module
+from tpmap.spec.schema import Column, Enter, Input, Norm, Param, Reduce, Row, Update, config_matches
+from tpmap.spec.source import LoadedMapping
 
-from . import pieces as split
-from .plan import (
-    AttributeUpdate,
-    InputSlice,
-    ModuleShard,
-    ParamShard,
-    base_prefix,
-    match,
-    match_entry,
-    resolve_attr,
-    suggest,
-)
+def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return model, ""
+    for name, mod in model.named_modules():
+        if mod is base:
+            return base, name + "."
+    raise AssertionError("model.base_model is not a submodule of the model")
+
+
+def expression_keys(entry) -> list[tuple[tuple, Any]]:
+    """(key path inside the entry, expression) for every expression an entry holds, in file order."""
+    if isinstance(entry, Update):
+        return [(("attributes", path), value) for path, value in entry.attributes.items()]
+    out: list[tuple[tuple, Any]] = []
+    for key in ("heads", "groups"):
+        if getattr(entry, key, None) is not None:
+            out.append(((key,), getattr(entry, key)))
+    sections = getattr(entry, "sections", None)
+    if isinstance(sections, str):
+        out.append((("sections",), sections))
+    if isinstance(sections, list):
+        for k, sec in enumerate(sections):
+            out += [(("sections", k, f), v) for f, v in (("size", sec.size), ("heads", sec.heads)) if v is not None]
+    return out
+
+
+def resolve_attr(module: nn.Module, path: str):
+    """(owner object, last name, value) for a dotted attribute path, or raise AttributeError."""
+    obj = module
+    parts = path.split(".")
+    for p in parts[:-1]:
+        obj = getattr(obj, p)
+    return obj, parts[-1], getattr(obj, parts[-1])
+
 
 # The `tpmap lint` rule id of each error kind raised while evaluating an expression.
 _EVAL_RULES = {ConfigAttributeError: "config-attribute", DivisibilityError: "divisibility"}
@@ -86,13 +114,11 @@ class EntryContext:
     def error(self, cls, message: str, *key, rule: str) -> TpmapError:
         e = self.entry
         text = f"entry {self.index} ({e.kind} {e.module!r}): {message}"
-        err = cls(f"{self.pos(*key)}: {text}")
-        err.position, err.rule, err.message = self.pos(*key), rule, text
-        return err
+        return cls(text, self.pos(*key), rule)
 
 
 class Planner:
-    """Plans every entry of `loaded` on `model` at `tp_size`; see `engine.plan.build`."""
+    """Plans every entry of `loaded` on `model` at `tp_size`; see `build_plan`."""
 
     def __init__(self, model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list | None = None):
         self.model, self.loaded, self.tp_size, self.errors = model, loaded, tp_size, errors
@@ -127,8 +153,8 @@ class Planner:
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
             try:
                 matched = match_entry(entry, self.modules)
-                if not matched and entry.classes and match(entry.module, self.names):
-                    found = sorted({type(self.modules[n]).__name__ for n in match(entry.module, self.names)})
+                if not matched and entry.classes and match_modules(entry.module, self.names):
+                    found = sorted({type(self.modules[n]).__name__ for n in match_modules(entry.module, self.names)})
                     raise ctx.error(PatternMatchError, f"pattern matches modules of class {', '.join(found)} only, "
                                     f"none of classes {', '.join(entry.classes)}; valid choices: "
                                     f"{', '.join(found)}", "classes", rule="pattern-no-match")
@@ -136,7 +162,7 @@ class Planner:
                     prefix = self.prefix
                     raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "
                                     f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
-                                    f"{suggest(entry.module, self.names)}", "module", rule="pattern-no-match")
+                                    f"{suggest_module(entry.module, self.names)}", "module", rule="pattern-no-match")
                 for rel in matched:
                     before = len(self.errors) if self.errors is not None else 0
                     kinds[type(entry)](entry, ctx, self.modules[rel], self.prefix + rel)
@@ -224,14 +250,17 @@ class Planner:
         if replicated and column and entry.gather_output:
             raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
                             f"at world size {self.tp_size}", "gather_output", rule="divisibility")
-        weight = ParamShard(f"{full}.weight", tuple(w.shape), dim, pieces, replicated)
+        weight = ParamShard(name=f"{full}.weight", full_shape=tuple(w.shape), dim=dim, pieces=pieces,
+                            replicated_heads=replicated)
         bias = None
         if getattr(module, "bias", None) is not None:
             b = module.bias
-            bias = (ParamShard(f"{full}.bias", tuple(b.shape), 0, pieces, replicated) if column
-                    else ParamShard(f"{full}.bias", tuple(b.shape), None))
-        self.shards.append(ModuleShard(full, "column" if column else "row", cls, entry.reverse,
-                                       column and entry.gather_output, ctx.index, weight, bias,
+            bias = (ParamShard(name=f"{full}.bias", full_shape=tuple(b.shape), dim=0, pieces=pieces,
+                               replicated_heads=replicated) if column
+                    else ParamShard(name=f"{full}.bias", full_shape=tuple(b.shape), dim=None))
+        self.shards.append(ModuleShard(name=full, style="column" if column else "row", module_class=cls,
+                                       reverse=entry.reverse, gather_output=column and entry.gather_output,
+                                       entry=ctx.index, weight=weight, bias=bias,
                                        copy_input=not column or entry.copy_input))
 
     @staticmethod
@@ -300,7 +329,8 @@ class Planner:
                                 f"value must lie between 1 and {current}", "attributes", path, rule="divisibility")
         self.seen_attr[(full, path)] = ctx.index
         via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
-        return AttributeUpdate(full, path, current, values, via_config, ctx.index)
+        return AttributeUpdate(module=full, attribute=path, full_value=current, values=values, via_config=via_config,
+                               entry=ctx.index)
 
     # -- Param -------------------------------------------------------------------------------------
     def param(self, entry: Param, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -321,14 +351,15 @@ class Planner:
                 if holder == "modules":
                     raise ctx.error(ModuleKindError, f"{name} is a ModuleList; partial is for tensors", "partial",
                                     rule="module-kind")
-                self.tensors.append(ParamShard(name, shape, None, partial=True, holder=holder))
+                self.tensors.append(ParamShard(name=name, full_shape=shape, dim=None, partial=True, holder=holder))
                 continue
             dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
             if not 0 <= dim < len(shape):
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules")
-            self.tensors.append(ParamShard(name, shape, dim, pieces, replicated, holder=holder))
+            self.tensors.append(ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces, replicated_heads=replicated,
+                                           holder=holder))
 
     # -- Reduce ------------------------------------------------------------------------------------
     def reduce(self, entry: Reduce, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -357,9 +388,10 @@ class Planner:
             return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
 
         pieces, _ = split.split_sections([(heads, heads)], self.tp_size, True, fail, lambda k: ("heads",))
-        self.inputs.append(InputSlice(full, entry.argument, params.index(entry.argument), entry.dim, heads,
-                                      tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
-                                      entry.flattened, ctx.index))
+        self.inputs.append(InputSlice(module=full, argument=entry.argument, position=params.index(entry.argument),
+                                      dim=entry.dim, heads=heads,
+                                      head_index=tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
+                                      flattened=entry.flattened, entry=ctx.index))
 
     # -- Norm --------------------------------------------------------------------------------------
     def norm(self, entry: Norm, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -381,10 +413,117 @@ class Planner:
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
                             "heads", rule="divisibility")
-        w = ParamShard(f"{full}.weight", tuple(weight.shape), 0, pieces)
-        b = ParamShard(f"{full}.bias", tuple(module.bias.shape), 0, pieces) if "bias" in own else None
-        self.shards.append(ModuleShard(full, "norm", type(module).__name__, False, False, ctx.index, w, b,
+        w = ParamShard(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces)
+        b = (ParamShard(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces)
+             if "bias" in own else None)
+        self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
+                                       gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps))
+
+    # -- whole-model features (after the entries) ---------------------------------------------------
+    def plan_whole_model_features(self) -> list[str]:
+        """vocab_parallel (appends its ModuleShards) and grad_allreduce (returns parameter names)."""
+        mapping, source = self.loaded.mapping, self.loaded.source
+        if mapping.vocab_parallel is not None:
+            self.shards.extend(self.plan_vocab_parallel(mapping.vocab_parallel))
+        grad_allreduce = []
+        for i, pattern in enumerate(mapping.grad_allreduce):
+            hits = match_modules(pattern, self.names)
+            if not hits:
+                raise PatternMatchError(f"grad_allreduce pattern {pattern!r} matches no module"
+                                        f"{suggest_module(pattern, self.names)}",
+                                        source.value(("grad_allreduce", i)), "pattern-no-match")
+            for rel in hits:
+                for pname, _ in self.modules[rel].named_parameters():
+                    full = f"{self.prefix}{rel}.{pname}"
+                    if full in self.owner:
+                        raise PatternMatchError(f"{full} is sharded by entry {self.owner[full]}; grad_allreduce is "
+                                                "for parameters kept whole", source.value(("grad_allreduce",)),
+                                                "double-match")
+                    grad_allreduce.append(full)
+        return grad_allreduce
+
+    def plan_vocab_parallel(self, spec) -> list[ModuleShard]:
+        """ModuleShards for the input embedding (and every nn.Embedding sharing its weight) and the LM head."""
+        model, source = self.model, self.loaded.source
+        pos = source.value(("vocab_parallel",))
+        by_id = names_by_parameter(model)
+        named = dict(model.named_modules())
+        emb = model.get_input_embeddings() if spec.embedding else None
+        head = model.get_output_embeddings() if spec.lm_head else None
+        if spec.embedding and not isinstance(emb, nn.Embedding):
+            raise ModuleKindError(f"vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() is "
+                                  f"{type(emb).__name__}, not an nn.Embedding; set embedding: false", pos, "module-kind")
+        if head is not None and not isinstance(head, nn.Linear):
+            raise ModuleKindError(f"vocab_parallel.lm_head: the output embedding is a {type(head).__name__}, not an "
+                                  "nn.Linear; set lm_head: false", pos, "module-kind")
+        # One half of a tied pair split alone would leave the other half holding the shard (a whole LM head
+        # with a vocabulary slice for a weight: wrong-sized logits; a plain lookup into a slice: IndexError).
+        # Every holder of a split weight must be a module this split replaces.
+        replaced = {n for n, m in named.items()
+                    if m is head or (emb is not None and isinstance(m, nn.Embedding) and m.weight is emb.weight)}
+        for module in (m for m in (emb, head) if m is not None):
+            holders = {n.rpartition(".")[0] for n in by_id[id(module.weight)]}
+            whole = sorted(holders - replaced)
+            if whole:
+                half, other = ("embedding", "lm_head") if module is emb else ("lm_head", "embedding")
+                mine = next(n for n, m in named.items() if m is module)
+                message = (f"vocab_parallel.{half} splits {mine}.weight along the vocabulary, but it is "
+                           f"tied to {', '.join(n + '.weight' for n in whole)}, which stays whole"
+                           + (f" (vocab_parallel.{other}: false)" if not getattr(spec, other) else "")
+                           + "; set both embedding and lm_head to true, or untie them (tie_word_embeddings: false)")
+                raise PatternMatchError(message, source.key(("vocab_parallel",)), "tied-parameter")
+        vocab = emb.weight.shape[0] if emb is not None else (head.weight.shape[0] if head is not None else None)
+        if vocab is None:
+            return []
+        pieces, per_rank = split.vocab_pieces(vocab, self.tp_size)
+        shards = []
+
+        def shard_of(param) -> ParamShard:
+            names = by_id[id(param)]
+            for n in names:
+                if n in self.owner:
+                    raise PatternMatchError(f"{n} is in the vocabulary split and also claimed by entry "
+                                            f"{self.owner[n]}", pos, "double-match")
+            return ParamShard(name=names[0], full_shape=tuple(param.shape), dim=0, pieces=pieces,
+                              local_size=per_rank, aliases=tuple(names[1:]))
+
+        if emb is not None:
+            weight = shard_of(emb.weight)
+            for name, module in named.items():
+                if isinstance(module, nn.Embedding) and module.weight is emb.weight:
+                    bypass = lookup_bypass(type(module))  # the same rule the engine's class swap relies on
+                    if bypass is not None:
+                        raise ModuleKindError(
+                            f"vocab_parallel.embedding: {name} is a {type(module).__name__} whose {bypass} does not "
+                            "call super().forward, so a vocabulary-split lookup cannot run under it (it would index "
+                            "the shard with full-vocabulary ids); set vocab_parallel.embedding: false to keep it "
+                            "whole (and lm_head: false if the LM head is tied to it)", pos, "module-kind")
+                    shards.append(ModuleShard(name=name, style="vocab_embedding", module_class=type(module).__name__,
+                                              reverse=False, gather_output=False, entry=-1, weight=weight, bias=None))
+        if head is not None:
+            if head.weight.shape[0] != vocab:
+                raise ModuleKindError(f"the LM head has {head.weight.shape[0]} rows but the embedding {vocab}; set "
+                                      "lm_head: false", pos, "module-kind")
+            name = next(n for n, m in named.items() if m is head)
+            weight = shard_of(head.weight)
+            bias = shard_of(head.bias) if head.bias is not None else None
+            shards.append(ModuleShard(name=name, style="vocab_head", module_class=type(head).__name__, reverse=False,
+                                      gather_output=True, entry=-1, weight=weight, bias=bias))
+        return shards
+
+    def check_ties(self) -> None:
+        """A sharded parameter must not also be used, tied, by a module that stays whole."""
+        sharded = {t for m in self.shards for t in (m.weight.name, m.bias and m.bias.name) if t}
+        sharded |= {t.name for t in self.tensors}
+        for names in names_by_parameter(self.model).values():
+            if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
+                entry = next(self.owner[n] for n in names if n in self.owner)
+                e = self.loaded.mapping.entries[entry]
+                self.fail(PatternMatchError(
+                    f"entry {entry} ({e.kind} {e.module!r}): parameter {names[0]} is tied to {', '.join(names[1:])}; "
+                    "shard all of them with the same entry or none",
+                    self.loaded.source.value(("entries", entry, "module")), "tied-parameter"))
 
 
 def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
@@ -396,3 +535,64 @@ def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
     if isinstance(module._modules.get(name), nn.ModuleList):
         return "modules", module._modules[name]
     return None, None
+
+
+def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[TpmapError] | None = None) -> Plan:
+    """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data.
+
+    Entries whose ``when`` does not match the model's config are skipped. Raises the first problem
+    found. With an `errors` list, problems are appended to it instead and checking goes on with the
+    next entry (one problem per entry, one per attribute of an Update), so `tpmap lint` reports them
+    all; the returned plan then leaves the failed entries out.
+    """
+    for k, variant in enumerate(loaded.mapping.unsupported):
+        if config_matches(variant.when, model.config):
+            e = UnsupportedConfigError(f"this {type(model.config).__name__} is a variant the mapping does not "
+                                       f"support ({variant.when}): {variant.reason}",
+                                       loaded.source.value(("unsupported", k, "when")), "unsupported")
+            if errors is None:
+                raise e
+            errors.append(e)
+            return Plan(model_type=loaded.mapping.model_type, tp_size=tp_size, base_prefix=base_prefix(model)[1],
+                        modules=(), updates=(), source=loaded.source.path)
+    p = Planner(model, loaded, tp_size, errors)
+    p.plan_entries()
+    p.check_ties()
+    grad_allreduce = []
+    try:
+        grad_allreduce = p.plan_whole_model_features()
+    except TpmapError as e:
+        p.fail(e)
+    kept_whole = ((k.module, k.reason, len(match_modules(k.module, p.names))) for k in loaded.mapping.kept_whole)
+    return Plan(model_type=loaded.mapping.model_type, tp_size=tp_size, base_prefix=p.prefix, modules=tuple(p.shards),
+                updates=tuple(p.updates), source=loaded.source.path, grad_allreduce=tuple(dict.fromkeys(grad_allreduce)),
+                tensors=tuple(p.tensors), reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
+                kept_whole=tuple(k for k in kept_whole if k[2]))
+
+
+def names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in the model (tied parameters have several)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return by_id
+
+
+def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
+    """Every config attribute that an expression of the mapping names, checked against `config`, for
+    the entries that apply to `config` (their `when` matches).
+
+    `build_plan` finds these only in entries whose pattern matches; `tpmap lint` checks them all.
+    """
+    out: list[TpmapError] = []
+    for i, entry in enumerate(loaded.mapping.entries):
+        if not config_matches(entry.when, config):
+            continue
+        ctx = EntryContext(config, loaded, i, 1)
+        for key, value in expression_keys(entry):
+            for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):
+                try:
+                    ctx.lookup(name)
+                except ConfigAttributeError as e:
+                    out.append(ctx.error(ConfigAttributeError, str(e), *key, rule="config-attribute"))
+    return out

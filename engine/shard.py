@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import rng
-from .collectives import SharedCopy, copy_to_tp_region, reduce_from_tp_region
-from .layers import (
+from tpmap.engine import rng
+from tpmap.engine.collectives import SharedCopy, copy_to_tp_region, reduce_from_tp_region
+from tpmap.engine.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
     RankModuleList,
@@ -33,7 +33,8 @@ from .layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from .plan import InputSlice, ModuleShard, ParamShard, Plan, resolve_attr
+from tpmap.engine.plan import InputSlice, ModuleShard, ParamShard, Plan
+from tpmap.engine.planner import resolve_attr
 
 
 def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ class _CountReads:
     """Counts the tensor bytes tpmap reads from checkpoint files while active."""
 
     def __enter__(self):
-        from tpmap.checkpoint import SafetensorsFile
+        from tpmap.checkpoint.safetensors import SafetensorsFile
 
         self.bytes, self.original = 0, SafetensorsFile.read_into
 
@@ -29,7 +29,7 @@ class _CountReads:
         return self
 
     def __exit__(self, *exc):
-        from tpmap.checkpoint import SafetensorsFile
+        from tpmap.checkpoint.safetensors import SafetensorsFile
 
         SafetensorsFile.read_into = self.original
 
@@ -55,16 +55,16 @@ def from_pretrained_equals_apply(folder: str, class_names: list[str], dtype: str
     """For each class: tpmap.from_pretrained against tpmap.apply on the model transformers loads, bit for bit
     (parameters, buffers, ties, generation config, loading info); and the bytes each rank read.
     `gap_bytes`: engine.load.GAP_BYTES for this call (0: every run read on its own, no gaps read)."""
-    from tpmap.engine import load
+    from tpmap.engine import slice_io
 
     ws = dist.get_world_size() if dist.is_initialized() else 1
     torch_dtype = getattr(torch, dtype) if dtype else None
-    saved = load.GAP_BYTES
-    load.GAP_BYTES = saved if gap_bytes is None else gap_bytes
+    saved = slice_io.GAP_BYTES
+    slice_io.GAP_BYTES = saved if gap_bytes is None else gap_bytes
     try:
         return {name: _equals_apply(folder, name, torch_dtype, ws, hf_kwargs) for name in class_names}
     finally:
-        load.GAP_BYTES = saved
+        slice_io.GAP_BYTES = saved
 
 
 def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict) -> dict:
@@ -141,7 +141,7 @@ def load_error(folder: str, **kwargs) -> dict:
 
 def whole_conversions(folder: str, class_name: str) -> dict:
     """The fallback: every converted tensor read whole and sliced; the same bits, with a warning."""
-    from tpmap import conversion
+    from tpmap.checkpoint import conversion
 
     ws = dist.get_world_size()
     want = tpmap.apply(getattr(transformers, class_name).from_pretrained(folder), ws)
@@ -158,7 +158,7 @@ def whole_conversions(folder: str, class_name: str) -> dict:
 
 def fails_on_one_rank(folder: str) -> dict:
     """Rank 1 fails while reading (after every check passed): every rank must raise, none hang."""
-    from tpmap.checkpoint import SafetensorsFile
+    from tpmap.checkpoint.safetensors import SafetensorsFile
 
     original = SafetensorsFile.read_into
 

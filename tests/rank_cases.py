@@ -37,7 +37,7 @@ def apply_error(ref: str, class_name: str, world_size: int | None, mapping_text:
     model = verify.build_model(ref, 0, class_name)
     mapping = None
     if mapping_text is not None:
-        from tpmap.loader import load_text
+        from tpmap.spec.source import load_text
         mapping = load_text(mapping_text, "<test mapping>")
     if twice:
         tpmap.apply(model, dist.get_world_size(), mapping=mapping)
@@ -477,7 +477,7 @@ def post_apply_invariants(ref: str, class_name: str) -> dict:
 
     from transformers import AutoConfig
 
-    from tpmap.engine.plan import resolve_attr
+    from tpmap.engine.planner import resolve_attr
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     full = verify.build_model(ref, 0, class_name)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpmap import catalog, loader, verify
+from tpmap import catalog, verify
+from tpmap.spec import source
 
 import test_mappings
 
@@ -16,7 +17,7 @@ def test_models_md_is_the_generated_table():
 
 
 def test_each_row_lists_exactly_the_checks_ci_runs():
-    for model_type in loader.shipped_files():
+    for model_type in source.shipped_files():
         cases = [c.values for c in test_mappings.CASES if c.values[0] == model_type]
         forward, gradient, generate = catalog.proven_checks(verify.resolve(model_type).mapping)
         assert forward == sorted({c[3] for c in cases}), model_type

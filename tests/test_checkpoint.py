@@ -24,12 +24,13 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint_cases as cases
 import tpmap
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 
 
 def _shipped() -> list[tuple[str, int]]:
     out = []
-    for model_type in loader.shipped_files():
+    for model_type in source.shipped_files():
         spec = verify.resolve(model_type).mapping.verify[0]
         out += [(model_type, ws) for ws in (2, 4) if ws in spec.world_sizes]
     return out
@@ -343,7 +344,7 @@ def test_arguments_that_place_weights_another_way_are_refused(checkpoint):
 def test_the_progress_bar_shows_only_on_rank_0_a_terminal_and_with_transformers_bars_on():
     from transformers.utils import logging as hf_logging
 
-    from tpmap.loading import _progress
+    from tpmap.checkpoint.load import _progress
 
     assert _progress(1, "x").disable  # other ranks
     assert _progress(0, "x").disable  # pytest's stderr is not a terminal

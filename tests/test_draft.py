@@ -8,8 +8,9 @@ import sys
 import pytest
 import transformers
 
-from tpmap import draft, loader, verify
-from tpmap.errors import DraftError
+from tpmap import draft, verify
+from tpmap.spec import source
+from tpmap.spec.errors import DraftError
 from tpmap.lint import lint_file
 
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
@@ -45,9 +46,9 @@ def run(ranks, case: verify.Case) -> verify.Result:
 def test_at_least_15_plain_drafts_are_proven():
     """Most of these types ship hand-checked mappings by now; the drafter reads nothing of a shipped
     mapping but its default_config, which none of these has, so each draft is the drafter's own work."""
-    shipped = loader.shipped_files()
+    shipped = source.shipped_files()
     assert len(PLAIN) >= 15
-    assert not [m for m in PLAIN + NOT_PLAIN if m in shipped and loader.load_file(shipped[m]).mapping.default_config]
+    assert not [m for m in PLAIN + NOT_PLAIN if m in shipped and source.load_file(shipped[m]).mapping.default_config]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -80,7 +81,7 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
 
 # and drafts that once rendered broken YAML or stretch the renderer: an empty nested config (mpt), nested
 # encoder/decoder configs (t5gemma), a plan with MoE and latent attention (deepseek_v3), ModuleDict experts
-@pytest.mark.parametrize("model_type", list(loader.shipped_files()) + ["mpt", "t5gemma", "deepseek_v3",
+@pytest.mark.parametrize("model_type", list(source.shipped_files()) + ["mpt", "t5gemma", "deepseek_v3",
                                                                       "switch_transformers"])
 def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
     if model_type in DRAFTER_REFUSES:  # a clear DraftError, never a broken file
@@ -88,7 +89,7 @@ def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
             draft.draft(model_type)
         return
     text = draft.draft(model_type)
-    loaded = loader.load_text(text, f"{model_type}.yaml")  # raises MappingErrors on any schema problem
+    loaded = source.load_text(text, f"{model_type}.yaml")  # raises MappingErrors on any schema problem
     assert loaded.mapping.model_type == model_type
     spec = loaded.mapping.verify[0]
     cls = getattr(transformers, spec.models[0])
@@ -124,7 +125,7 @@ def test_a_fused_qkv_gets_a_todo_not_a_silent_guess():
     text = draft.draft("gpt2")  # c_attn: Conv1D [in, out] holding q, k and v: 3 x the q width
     notes = entry_notes(text, "h.*.attn.c_attn")
     assert "TODO" in notes and "combined_qkv" in notes and "head-major" in notes
-    loaded = loader.load_text(text, "gpt2.yaml").mapping
+    loaded = source.load_text(text, "gpt2.yaml").mapping
     c_attn = next(e for e in loaded.entries if e.module == "h.*.attn.c_attn")
     assert c_attn.reverse and c_attn.heads == "n_head"
 
@@ -155,12 +156,12 @@ def names(base) -> list[str]:
 
 def test_base_model_tp_plan_styles_are_translated():
     text = draft.draft("olmo3")  # q/k/v colwise_gather_output, o_proj rowwise_split_input
-    mapping = loader.load_text(text, "olmo3.yaml").mapping
+    mapping = source.load_text(text, "olmo3.yaml").mapping
     by_module = {e.module: e for e in mapping.entries}
     assert by_module["layers.*.self_attn.q_proj"].gather_output
     assert "layers.*.self_attn.o_proj" in mapping.replicated and "layers.*.self_attn.o_proj" not in by_module
     assert by_module["layers.*.mlp.down_proj"].kind == "Row"
-    qwen3 = loader.load_text(draft.draft("qwen3"), "qwen3.yaml").mapping
+    qwen3 = source.load_text(draft.draft("qwen3"), "qwen3.yaml").mapping
     assert qwen3.grad_allreduce == ["layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"]
     mixtral = draft.draft("mixtral")
     assert "TODO: base_model_tp_plan: layers.*.mlp.experts is moe_tp_experts" in " ".join(mixtral.split())
@@ -172,7 +173,7 @@ def test_updates_hold_on_the_default_config_too():
     Phi's rotary_ndims equals its KV head count in the default config and in the tiny one."""
     text = draft.draft("phi")
     assert "rotary_ndims" not in text
-    gpt2 = loader.load_text(draft.draft("gpt2"), "gpt2.yaml").mapping
+    gpt2 = source.load_text(draft.draft("gpt2"), "gpt2.yaml").mapping
     update = next(e for e in gpt2.entries if e.kind == "Update")
     assert update.attributes == {"embed_dim": "n_embd // tp_size", "num_heads": "n_head // tp_size",
                                  "split_size": "n_embd // tp_size"}
@@ -183,7 +184,7 @@ def test_updates_hold_on_the_default_config_too():
 
 
 def test_world_sizes_are_where_the_planner_accepts_the_draft():
-    mapping = loader.load_text(draft.draft("mistral"), "mistral.yaml").mapping  # 32 heads, 8 KV heads
+    mapping = source.load_text(draft.draft("mistral"), "mistral.yaml").mapping  # 32 heads, 8 KV heads
     assert mapping.world_sizes == [1, 2, 4, 8, 16, 32]
     assert mapping.verify[0].world_sizes == [1, 2, 4]  # tiny: 12 heads but 4 KV heads, which 3 cannot split
 
@@ -198,7 +199,7 @@ def test_cli_writes_the_draft(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tpmap", "draft", "helium", "-o", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "wrote" in done.stderr and loader.load_file(out).mapping.model_type == "helium"
+    assert "wrote" in done.stderr and source.load_file(out).mapping.model_type == "helium"
     bad = subprocess.run([sys.executable, "-m", "tpmap", "draft", "no_such_type"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "is not a model_type" in bad.stderr and not bad.stdout
@@ -223,4 +224,4 @@ def test_a_model_that_fails_with_tiny_widths_keeps_its_widths_noted():
     text = draft.draft("mobilebert")  # its bottleneck widths do not follow the tiny hidden size
     assert "with the tiny widths the config or the model fails (building MobileBertForMaskedLM" in " ".join(
         text.split())
-    assert "hidden_size" not in loader.load_text(text, "mobilebert.yaml").mapping.verify[0].config
+    assert "hidden_size" not in source.load_text(text, "mobilebert.yaml").mapping.verify[0].config

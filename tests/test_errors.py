@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import tpmap
-from tpmap import loader, verify
-from tpmap.errors import (
+from tpmap import verify
+from tpmap.spec import source
+from tpmap.spec.errors import (
     AlreadyAppliedError,
     ConfigAttributeError,
     DivisibilityError,
@@ -22,7 +23,7 @@ import rank_cases
 
 
 def shipped_text(model_type: str) -> str:
-    return loader.shipped_files()[model_type].read_text()
+    return source.shipped_files()[model_type].read_text()
 
 
 def edited(model_type: str, old: str, new: str) -> str:
@@ -67,7 +68,7 @@ def test_world_size_that_does_not_divide_the_heads_on_real_ranks(ranks):
 def test_unknown_key_points_at_the_line():
     text = edited("gpt2", "    combined_qkv: true", "    combined_qvk: true")
     with pytest.raises(MappingErrors) as e:
-        loader.load_text(text, "mappings/gpt2.yaml")
+        source.load_text(text, "mappings/gpt2.yaml")
     line = text.splitlines().index("    combined_qvk: true") + 1
     assert str(e.value).startswith(f"mappings/gpt2.yaml:{line}:5: unknown key 'combined_qvk'")
     assert "did you mean combined_qkv?" in str(e.value)
@@ -76,7 +77,7 @@ def test_unknown_key_points_at_the_line():
 def test_unknown_kind_lists_the_valid_kinds():
     text = edited("llama", "  - kind: Row\n", "  - kind: Rwo\n")
     with pytest.raises(MappingErrors) as e:
-        loader.load_text(text, "llama.yaml")
+        source.load_text(text, "llama.yaml")
     assert "unknown entry kind 'Rwo' (did you mean Row?); valid kinds: Column, Row, Update" in str(e.value)
 
 
@@ -130,7 +131,7 @@ def test_model_type_without_a_mapping_lists_the_supported_ones():
     before = rank_cases.state_signature(model)
     with pytest.raises(UnknownModelTypeError) as e:
         tpmap.apply(model, 1)
-    for supported in loader.shipped_files():
+    for supported in source.shipped_files():
         assert supported in str(e.value)
     assert "'xlm'" in str(e.value) and rank_cases.same_signature(before, rank_cases.state_signature(model))
 
@@ -155,7 +156,7 @@ def test_world_size_one_returns_the_model_unchanged():
 def test_invalid_expression_is_rejected_at_load():
     text = edited("gpt2", "split_size: n_embd // tp_size", "split_size: __import__('os').getcwd()")
     with pytest.raises(MappingErrors) as e:
-        loader.load_text(text, "gpt2.yaml")
+        source.load_text(text, "gpt2.yaml")
     assert "is not allowed in expression" in str(e.value)
 
 
@@ -194,7 +195,7 @@ def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_tha
 
     import tpmap
 
-    spec = loader.for_model_type("llama").mapping.verify[0]
+    spec = source.for_model_type("llama").mapping.verify[0]
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.for_model("llama", **{**spec.config, "intermediate_size": 190}))
     with pytest.raises(tpmap.DivisibilityError) as info:
@@ -238,7 +239,7 @@ def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
         with pytest.raises(tpmap.ModuleKindError) as e:
             tpmap.apply(model, 1) if world_size == 1 else tpmap.plan(model, world_size)
         err = e.value
-        assert str(err).startswith(f"{loader.shipped_files()['llama']}:") and err.rule == "module-kind", str(err)
+        assert str(err).startswith(f"{source.shipped_files()['llama']}:") and err.rule == "module-kind", str(err)
         assert "model.embed_tokens is a _DirectLookupEmbedding" in str(err), str(err)
         assert "_DirectLookupEmbedding.forward does not call super().forward" in str(err), str(err)
         assert "set vocab_parallel.embedding: false" in str(err), str(err)
@@ -246,7 +247,7 @@ def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
     # the advice works: with the embedding kept whole the plan builds (the LM head is still split)
     text = shipped_text("llama").replace("vocab_parallel: {embedding: true,", "vocab_parallel: {embedding: false,")
     assert "embedding: false" in text
-    plan = tpmap.plan(model, 2, mapping=loader.load_text(text, "llama.yaml"))
+    plan = tpmap.plan(model, 2, mapping=source.load_text(text, "llama.yaml"))
     assert [m.style for m in plan.modules if m.style.startswith("vocab")] == ["vocab_head"]
 
 
@@ -273,5 +274,5 @@ def test_half_of_a_tied_embedding_and_lm_head_is_refused(ranks, name):
 def test_unknown_key_in_a_verify_input_lists_the_input_keys():
     text = edited("whisper", "      input_features: {shape: [batch,", "      input_features: {shap: [batch,")
     with pytest.raises(MappingErrors) as e:
-        loader.load_text(text, "whisper.yaml")
+        source.load_text(text, "whisper.yaml")
     assert "unknown key 'shap' (did you mean shape?); valid keys here: shape, kind" in str(e.value), str(e.value)

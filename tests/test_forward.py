@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 
 import rank_cases
 
-SHIPPED = list(loader.shipped_files())
+SHIPPED = list(source.shipped_files())
 CASES = verify.cases(SHIPPED)
 
 
@@ -76,7 +77,7 @@ WRONG_MAPPINGS = {
 def test_a_wrong_mapping_is_caught(ranks, tmp_path, name):
     """The comparison can fail: known-wrong mappings give a large difference or an error, never a pass."""
     model_type, old, new = WRONG_MAPPINGS[name]
-    text = loader.shipped_files()[model_type].read_text()
+    text = source.shipped_files()[model_type].read_text()
     assert old in text
     path = tmp_path / f"{name}.yaml"
     path.write_text(text.replace(old, new, 1))

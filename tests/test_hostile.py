@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpmap import loader
-from tpmap.errors import MappingError, MappingErrors, TpmapError
+from tpmap.spec import source
+from tpmap.spec.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
 
-SHIPPED = loader.shipped_files()
+SHIPPED = source.shipped_files()
 LLAMA = SHIPPED["llama"].read_text()
 
 
@@ -50,7 +50,7 @@ def test_hostile_text_is_a_located_mapping_error_in_bounded_time(name):
     text, words = HOSTILE[name]
     start = time.monotonic()
     with pytest.raises(MappingErrors) as info:
-        loader.load_text(text, f"{name}.yaml")
+        source.load_text(text, f"{name}.yaml")
     assert time.monotonic() - start < 5, "hang guard"
     first = info.value.errors[0]
     assert first.position is not None and first.position.path == f"{name}.yaml", first
@@ -66,7 +66,7 @@ def test_an_update_outside_1_to_the_full_value_fails_at_plan_time_with_its_line(
 
     path = tmp_path / "llama_negative.yaml"
     path.write_text(HOSTILE["negative-update"][0])
-    spec = loader.load_file(path).mapping.verify[0]
+    spec = source.load_file(path).mapping.verify[0]
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.for_model("llama", **spec.config))
     with pytest.raises(TpmapError) as info:
@@ -85,7 +85,7 @@ def test_an_unreadable_mapping_path_is_a_mapping_error_and_the_model_is_untouche
     path = {"missing": tmp_path / "nope.yaml", "folder": tmp_path, "not-utf8": tmp_path / "latin1.yaml"}[make]
     if make == "not-utf8":
         path.write_bytes(LLAMA.replace("# Llama", "# Llama \xe9t\xe9").encode("latin-1"))
-    model = LlamaForCausalLM(AutoConfig.for_model("llama", **loader.load_text(LLAMA, "x").mapping.verify[0].config))
+    model = LlamaForCausalLM(AutoConfig.for_model("llama", **source.load_text(LLAMA, "x").mapping.verify[0].config))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(MappingError) as info:
         tpmap.apply(model, 1, mapping=path)
@@ -140,7 +140,7 @@ _N = int(os.environ.get("TPMAP_FUZZ_EXAMPLES", "300"))
 @given(_FUZZED)
 def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
     try:
-        loader.load_text(text, "fuzzed.yaml")
+        source.load_text(text, "fuzzed.yaml")
     except MappingErrors as e:
         assert all(m.position is not None and str(m).startswith("fuzzed.yaml:") for m in e.errors), e
 

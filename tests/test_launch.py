@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tpmap import loader
+from tpmap.spec import source
 from tpmap.launch import RankFailure
 
 import rank_cases
@@ -43,7 +43,7 @@ def _verify_cli(*args, timeout=240):
 
 def test_verify_cli_fails_on_a_wrong_mapping(tmp_path):
     path = tmp_path / "neox_wrong.yaml"
-    path.write_text(loader.shipped_files()["gpt_neox"].read_text().replace(
+    path.write_text(source.shipped_files()["gpt_neox"].read_text().replace(
         "    heads: num_attention_heads\n  - kind: Row", "    combined_qkv: true\n  - kind: Row", 1))
     proc = _verify_cli(str(path), "-n", "2")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -94,9 +94,9 @@ def test_example_inputs_follow_the_model_class():
 
 def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     from tpmap import verify
-    from tpmap.errors import MappingError
+    from tpmap.spec.errors import MappingError
 
-    text = loader.shipped_files()["whisper"].read_text()
+    text = source.shipped_files()["whisper"].read_text()
     declared = "    inputs:\n      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n"
     assert declared in text
     path = tmp_path / "whisper.yaml"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 from tpmap.engine import pieces
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import take
@@ -59,14 +60,14 @@ def test_pieces_tile_the_dimension_once_unless_heads_are_replicated():
 
 def test_a_partial_tensor_is_whole_on_rank_0_and_zero_elsewhere():
     full = torch.randn(4, 6)
-    shard = ParamShard("experts.down_proj_bias", (4, 6), None, partial=True)
+    shard = ParamShard(name="experts.down_proj_bias", full_shape=(4, 6), dim=None, partial=True)
     assert torch.equal(take(full, shard, 0), full)
     assert not take(full, shard, 1).any() and take(full, shard, 1).shape == full.shape
 
 
 def test_moe_experts_without_their_reduce_are_caught(ranks, tmp_path):
     """Each rank's experts output is a partial sum: without the Reduce the logits are wrong."""
-    text = loader.shipped_files()["mixtral"].read_text()
+    text = source.shipped_files()["mixtral"].read_text()
     block = "  - kind: Reduce\n    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n"
     assert block in text
     path = tmp_path / "mixtral_no_reduce.yaml"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 
 from test_forward import run_case
 
@@ -76,7 +77,7 @@ NUMERIC = {"olmo2-norm-statistic-per-rank": 7e-2, "stablelm-no-norms-slice": 6e-
 
 def wrong_case(tmp_path, name: str) -> verify.Case:
     model_type, config_name, ws, old, new = WRONG[name]
-    text = loader.shipped_files()[model_type].read_text()
+    text = source.shipped_files()[model_type].read_text()
     assert text.count(old) == 1, f"{name}: the text to replace is not in mappings/{model_type}.yaml once"
     path = tmp_path / f"{name}.yaml"
     path.write_text(text.replace(old, new))

@@ -10,8 +10,9 @@ import transformers
 
 import rank_cases
 import tpmap
-from tpmap import loader, verify
-from tpmap.loader import load_text
+from tpmap import verify
+from tpmap.spec import source
+from tpmap.spec.source import load_text
 
 DBRX_EXPERTS = """
 model_type: dbrx
@@ -98,9 +99,9 @@ def _forward(ranks, ref: str, world_size: int, verify_index: int = 0) -> verify.
     return verify.judge(case, per_rank)
 
 
-def _edited(tmp_path, source: str, replacements: list[tuple[str, str]], name: str) -> str:
+def _edited(tmp_path, origin: str, replacements: list[tuple[str, str]], name: str) -> str:
     """A copy of a mapping (a shipped model type or a path) with every occurrence of each `old` replaced."""
-    text = (loader.shipped_files()[source] if source in loader.shipped_files() else Path(source)).read_text()
+    text = (source.shipped_files()[origin] if origin in source.shipped_files() else Path(origin)).read_text()
     for old, new in replacements:
         assert old in text, old
         text = text.replace(old, new)
@@ -128,8 +129,8 @@ WRONG_FORWARD = {
 def test_a_wrong_moe_mapping_is_caught(ranks, tmp_path, name):
     """Each feature is needed: without it the sharded output is off by far more than rounding (or the
     forward fails)."""
-    source, replacements = WRONG_FORWARD[name]
-    path = _edited(tmp_path, source, replacements, name)
+    origin, replacements = WRONG_FORWARD[name]
+    path = _edited(tmp_path, origin, replacements, name)
     try:
         result = _forward(ranks, path, 2)
     except Exception as e:  # a shape error inside the forward is also a catch

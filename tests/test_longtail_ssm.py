@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpmap import loader, verify
-from tpmap.errors import DivisibilityError
+from tpmap import verify
+from tpmap.spec import source
+from tpmap.spec.errors import DivisibilityError
 
 import rank_cases
 
@@ -49,7 +50,7 @@ GRAD_WRONG = {
 
 
 def _copy(tmp_path, name: str, model_type: str, old: str, new: str) -> str:
-    text = loader.shipped_files()[model_type].read_text()
+    text = source.shipped_files()[model_type].read_text()
     assert text.count(old) == 1, f"{name}: the shipped {model_type}.yaml changed; update this test"
     path = tmp_path / f"{name}.yaml"
     path.write_text(text.replace(old, new))
@@ -87,21 +88,21 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_at_plan_time():
     import transformers
     from transformers import AutoConfig
 
-    from tpmap.engine import plan as planning
+    from tpmap.engine import planner
 
-    loaded = loader.for_model_type("mamba2")
+    loaded = source.for_model_type("mamba2")
     config = AutoConfig.for_model("mamba2", **{**loaded.mapping.verify[0].config, "n_groups": 1})
     with torch.device("meta"):
         model = transformers.Mamba2ForCausalLM(config)
     with pytest.raises(DivisibilityError, match="n_groups"):
-        planning.build(model, loaded, 2)
-    planning.build(model, loaded, 1)  # world size 1 is fine
+        planner.build_plan(model, loaded, 2)
+    planner.build_plan(model, loaded, 1)  # world size 1 is fine
 
 
 def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
     """What the refusal prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
     gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
-    text = loader.shipped_files()["mamba2"].read_text().replace("n_groups // tp_size", "per_rank(n_groups)")
+    text = source.shipped_files()["mamba2"].read_text().replace("n_groups // tp_size", "per_rank(n_groups)")
     out_proj = "  - kind: Row\n    module: layers.*.mixer.out_proj\n"
     assert text.count(out_proj) == 1
     text = text.replace(out_proj, "  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch  # noqa: F401  (rank_cases needs it importable)
 
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 
 import rank_cases
 
@@ -27,7 +28,7 @@ LOOSE_FP32 = {"t5", "reformer"}
 
 def _cases():
     out = []
-    for model_type in loader.shipped_files():
+    for model_type in source.shipped_files():
         mapping = verify.resolve(model_type).mapping
         for index, spec in enumerate(mapping.verify):
             for cls in spec.models:
@@ -67,7 +68,7 @@ def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, ge
             assert r["generate"]["same_as_full"], r["generate"]
 
 
-@pytest.mark.parametrize("model_type", list(loader.shipped_files()))
+@pytest.mark.parametrize("model_type", list(source.shipped_files()))
 def test_each_mapping_is_proven_at_world_sizes_2_and_4_with_gradients(model_type):
     """Every mapping claims world sizes 2 and 4 somewhere, and its first config gets the training checks."""
     ws = {c.values[3] for c in CASES if c.values[0] == model_type}

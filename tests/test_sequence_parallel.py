@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tpmap
-from tpmap import loader, verify
+from tpmap import verify
+from tpmap.spec import source
 
 import sequence_cases
 
@@ -43,7 +44,7 @@ REFUSED = {
 def _families():
     """(mapping, first class of its first verify config, verify spec) for every shipped mapping."""
     out = []
-    for ref in loader.shipped_files():
+    for ref in source.shipped_files():
         spec = verify.resolve(ref).mapping.verify[0]
         out.append((ref, spec.models[0], spec))
     return out

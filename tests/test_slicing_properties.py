@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tpmap.engine import load
+from tpmap.engine import slice_io
 from tpmap.engine.pieces import split_groups, split_sections, vocab_pieces
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import assemble, take
@@ -77,8 +77,9 @@ def shards(draw):
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
     shape[dim] = size
     if draw(st.integers(0, 9)) == 0:
-        return ParamShard("t", tuple(shape), None, partial=True), ws
-    return ParamShard("t", tuple(shape), dim, pieces, replicated, local_size), ws
+        return ParamShard(name="t", full_shape=tuple(shape), dim=None, partial=True), ws
+    return ParamShard(name="t", full_shape=tuple(shape), dim=dim, pieces=pieces, replicated_heads=replicated,
+                      local_size=local_size), ws
 
 
 def _tensor(shape, dtype=torch.float32) -> torch.Tensor:
@@ -132,23 +133,23 @@ def test_the_pieces_tile_the_split_dim(case):
 def test_the_checkpoint_readers_slice_equals_take(case, dtype, in_blocks):
     shard, ws = case
     full = _tensor(shard.full_shape, dtype)
-    saved = (load.GAP_BYTES, load.BLOCK_BYTES)
+    saved = (slice_io.GAP_BYTES, slice_io.BLOCK_BYTES)
     # run by run (every run read into place), or whole rows a tiny block at a time
-    load.GAP_BYTES, load.BLOCK_BYTES = (10 ** 9, 7) if in_blocks else (0, saved[1])
-    scratch = load.Scratch()  # reused by every rank's read, as in a load
+    slice_io.GAP_BYTES, slice_io.BLOCK_BYTES = (10 ** 9, 7) if in_blocks else (0, saved[1])
+    scratch = slice_io.Scratch()  # reused by every rank's read, as in a load
     try:
         for r in range(ws):
-            got = load.read_local(_stored(full), shard, r, dtype, scratch, in_scratch=r % 2 == 1)
+            got = slice_io.read_local(_stored(full), shard, r, dtype, scratch, in_scratch=r % 2 == 1)
             want = take(full, shard, r)
             assert got.dtype == want.dtype and torch.equal(got, want), (r, got, want)
     finally:
-        load.GAP_BYTES, load.BLOCK_BYTES = saved
+        slice_io.GAP_BYTES, slice_io.BLOCK_BYTES = saved
 
 
 def test_runs_merge_what_is_contiguous():
-    assert load.runs((4, 6), 1, ((2, 2),)) == [(2, 0, 2), (8, 2, 2), (14, 4, 2), (20, 6, 2)]
-    assert load.runs((4, 6), 0, ((0, 2), (2, 2))) == [(0, 0, 24)]  # adjacent pieces of dim 0: one read
-    assert load.runs((4, 6), 1, ((0, 6),)) == [(0, 0, 24)]  # a whole row after a whole row
+    assert slice_io.runs((4, 6), 1, ((2, 2),)) == [(2, 0, 2), (8, 2, 2), (14, 4, 2), (20, 6, 2)]
+    assert slice_io.runs((4, 6), 0, ((0, 2), (2, 2))) == [(0, 0, 24)]  # adjacent pieces of dim 0: one read
+    assert slice_io.runs((4, 6), 1, ((0, 6),)) == [(0, 0, 24)]  # a whole row after a whole row
 
 
 # -- a converted tensor (transformers' per-expert -> fused experts) read lazily equals take ------------
@@ -190,7 +191,7 @@ def expert_conversion():
        fused=st.booleans())
 def test_a_lazily_converted_slice_equals_take_of_the_converted_tensor(expert_conversion, experts, inter, hidden, ws,
                                                                      fused):
-    from tpmap import conversion
+    from tpmap.checkpoint import conversion
 
     size = inter * ws
     if fused:  # gate_up_proj [E, 2I, H] from w1, w3 [I, H] per expert, split on dim 1 as [gate | up]
@@ -209,7 +210,7 @@ def test_a_lazily_converted_slice_equals_take_of_the_converted_tensor(expert_con
     model = _Model({name: torch.empty(shape, device="meta")})
     reader = conversion.Reader(model, {name: source}, lambda n: torch.float32, torch.device("cpu"))
     whole = reader.whole(name)
-    shard = ParamShard(name, shape, dim, pieces)
+    shard = ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces)
     for r in range(ws):
         lazy = reader._plan_for(name, source, shard, r)
         assert lazy is not None  # a pure rearrangement: sliced, not converted whole

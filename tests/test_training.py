@@ -22,14 +22,14 @@ from tpmap import verify
 
 import rank_cases
 
-from tpmap import loader
+from tpmap.spec import source
 
 
 def _shipped_cases() -> list[tuple[tuple[str, int, str], int]]:
     """((mapping, verify config 0, class), world size) for every shipped mapping and class of its first
     verify config, at the world sizes 2 and 4 that config claims: a new mapping is tested by adding it."""
     out = []
-    for model_type in loader.shipped_files():
+    for model_type in source.shipped_files():
         spec = verify.resolve(model_type).mapping.verify[0]
         for cls in spec.models:
             out += [((model_type, 0, cls), ws) for ws in (2, 4) if ws in spec.world_sizes]
@@ -86,9 +86,9 @@ def test_dropout_keeps_replicated_activations_identical(ranks, case):
 
 def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp_path):
     """The declared feature is needed: drop it and the q/k norm gradients are partial sums."""
-    from tpmap import loader
+    from tpmap.spec import source
 
-    text = loader.shipped_files()["qwen3"].read_text()
+    text = source.shipped_files()["qwen3"].read_text()
     path = tmp_path / "qwen3_no_grad_allreduce.yaml"
     path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("grad_allreduce:")))
     for r in ranks(2).run(rank_cases.grad_case, str(path), 0, "Qwen3ForCausalLM", False, torch.float64):

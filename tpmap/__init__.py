@@ -6,8 +6,11 @@
     tpmap.save_pretrained(model, "out/")        # a standard checkpoint, written by rank 0
 (under torchrun, after init_process_group)
 """
-from .api import apply, full_state_dict, load_mapping, plan, vocab_parallel_cross_entropy
-from .errors import (
+from tpmap.api import apply, full_state_dict, load_mapping, plan
+from tpmap.checkpoint.load import from_pretrained
+from tpmap.checkpoint.save import save_pretrained
+from tpmap.loss_parallel import vocab_parallel_cross_entropy
+from tpmap.spec.errors import (
     AlreadyAppliedError,
     CheckpointError,
     ConfigAttributeError,
@@ -19,8 +22,8 @@ from .errors import (
     MappingErrors,
     MetaDeviceError,
     MissingInputError,
-    PartialMappingWarning,
     ModuleKindError,
+    PartialMappingWarning,
     PatternMatchError,
     ProcessGroupError,
     SequenceParallelError,
@@ -28,9 +31,6 @@ from .errors import (
     UnknownModelTypeError,
     UnsupportedConfigError,
 )
-
-from .loading import from_pretrained
-from .saving import save_pretrained
 
 __version__ = "0.1.0"
 __all__ = [

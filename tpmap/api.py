@@ -1,28 +1,30 @@
 """`tpmap.apply`: make a transformers model tensor-parallel in place, on every rank."""
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
-import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import (
+from tpmap.engine import planner, shard
+from tpmap.engine.plan import Plan
+from tpmap.engine.sequence import install_sequence_parallel
+from tpmap.engine.sequence_plan import SequencePlan, plan_sequence_parallel
+from tpmap.guards import check_generate_arguments, input_check
+from tpmap.loss_parallel import use_loss_parallel
+from tpmap.spec.errors import (
     AlreadyAppliedError,
-    InputMismatchError,
     LossParallelError,
     MappingError,
     MetaDeviceError,
-    ProcessGroupError,
     PartialMappingWarning,
-    SequenceParallelError,  # noqa: F401  (raised by engine.sequence.build)
+    ProcessGroupError,
 )
-from .loader import LoadedMapping, SourceMap, for_model_type, load_file
-from .schema import Mapping
+from tpmap.spec.schema import Mapping
+from tpmap.spec.source import LoadedMapping, SourceMap, for_model_type, load_file
 
 PLAN_ATTR = "tpmap_plan"  # the applied Plan is kept on the model under this name
 GROUP_ATTR = "tpmap_group"  # and the process group it was sharded over (None: the default group)
@@ -54,8 +56,6 @@ def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
 def process_group(group):
     """The ProcessGroup that `group` names: a ProcessGroup, a 1-D DeviceMesh (the tensor-parallel dimension
     of a 2-D layout, ``mesh["tp"]``) or None (the default group, every rank)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, DeviceMesh):
@@ -131,8 +131,6 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
         dist.init_process_group("gloo")
         model = tpmap.apply(AutoModelForCausalLM.from_config(cfg), world_size=2)
     """
-    from tpmap.engine import plan as planning
-
     if getattr(model, PLAN_ATTR, None) is not None:
         raise AlreadyAppliedError(f"{type(model).__name__} is already tensor-parallel "
                                   f"(tp_size={getattr(model, PLAN_ATTR).tp_size}); apply it once, to the full model")
@@ -144,23 +142,16 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
         raise MetaDeviceError(f"{type(model).__name__} has {len(meta)} parameters on the meta device (e.g. {meta[0]}): "
                               "they hold no values to slice. Load the weights first (from_pretrained, or "
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
-    plan = planning.build(model, loaded, tp_size)
+    plan = planner.build_plan(model, loaded, tp_size)
     check_loss_parallel(plan, loaded, model, loss_parallel)
-    sequence = sequence_plan(model, plan, sequence_parallel)
+    sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None  # may raise SequenceParallelError
     if tp_size == 1:
         return model
-    return install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
-                   sequence=sequence)
+    return apply_plan(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
+                      sequence=sequence)
 
 
-def sequence_plan(model: nn.Module, plan, sequence_parallel: bool):
-    """Where sequence parallelism's collectives go (None when off); raises SequenceParallelError first."""
-    from tpmap.engine import sequence
-
-    return sequence.build(model, plan) if sequence_parallel else None
-
-
-def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
+def check_loss_parallel(plan: Plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
     if loss_parallel and not any(m.style == "vocab_head" for m in plan.modules):
         raise LossParallelError(
             f"loss_parallel needs an LM head split along the vocabulary, and {loaded.source.path} has no "
@@ -169,14 +160,11 @@ def check_loss_parallel(plan, loaded: LoadedMapping, model: nn.Module, loss_para
         )
 
 
-def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool, check_inputs: bool,
-            read=None, sequence=None) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, tp_rank: int, group, *, loss_parallel: bool, check_inputs: bool,
+               read=None, sequence: SequencePlan | None = None) -> nn.Module:
     """Execute a checked plan on `model` for this rank and attach what a tensor-parallel model carries (the
     plan, loss_parallel, the input check). `read` gives each split tensor's local part (default: sliced
     from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
-    from tpmap.engine import sequence as sequence_parallel
-    from tpmap.engine import shard
-
     warn_partial = bool(plan.kept_whole) and tp_rank == 0
     params_full = sum(p.numel() for p in model.parameters()) if warn_partial else 0
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))
@@ -185,15 +173,15 @@ def install(model: nn.Module, plan, tp_rank: int, group, *, loss_parallel: bool,
     if warn_partial:
         _warn_partial(plan, sum(p.numel() for p in model.parameters()) / params_full)
     if sequence is not None:
-        setattr(model, SEQUENCE_ATTR, sequence_parallel.install(model, sequence, group))
+        setattr(model, SEQUENCE_ATTR, install_sequence_parallel(model, sequence, group))
     if loss_parallel:
         head = next(m for m in plan.modules if m.style == "vocab_head")
-        _use_loss_parallel(model, model.get_submodule(head.name))
+        use_loss_parallel(model, model.get_submodule(head.name))
     if check_inputs:
-        forward_check = _same_inputs_on_every_rank(model, group)
+        forward_check = input_check(model, group)
         model.register_forward_pre_hook(forward_check, with_kwargs=True)
         if callable(getattr(model, "generate", None)):
-            _same_generate_arguments_on_every_rank(model, group, forward_check)
+            check_generate_arguments(model, group, forward_check)
     return model
 
 
@@ -213,201 +201,23 @@ def _warn_partial(plan, share: float) -> None:
                   PartialMappingWarning, stacklevel=3)
 
 
-def _tensors(args: tuple, kwargs: dict, positional: list[str]) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor argument of a forward call, by name (positional ones by the signature), including
-    tensors inside a list or tuple argument; in a fixed order (by name) so ranks compare like with like."""
-    named = dict(zip(positional, args)) | kwargs
-    named |= {f"*args[{i}]": a for i, a in enumerate(args[len(positional):])}
-    out = []
-    for name, value in sorted(named.items()):
-        if isinstance(value, torch.Tensor):
-            out.append((name, value))
-        elif isinstance(value, (list, tuple)):
-            out += [(f"{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _code(text: str) -> float:
-    """A deterministic number for a string (the same on every rank, unlike hash())."""
-    return float(zlib.crc32(text.encode()))
-
-
-def _sums(t: torch.Tensor) -> tuple[float, float]:
-    """(position-weighted sum, plain sum) of a tensor's values in float64: a reordering changes the first."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.float64:
-        flat = flat.to(torch.float64)
-    positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-    return float(flat @ positions), float(flat.sum())
-
-
-def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tensor | None) -> torch.Tensor:
-    """Five float64 numbers for all tensor arguments together (fixed size, so one all-gather serves any
-    call): how many; their names and shapes; a position- and name-weighted sum of their values; a
-    plain sum; and the default RNG state (training mode: ranks must draw the same dropout masks)."""
-    names = sum(_code(f"{n}:{tuple(t.shape)}:{t.dtype}") for n, t in tensors)
-    weighted = plain = 0.0
-    for name, t in tensors:
-        by_position, total = _sums(t)
-        weighted += by_position * (1.0 + _code(name) / 2**32)
-        plain += total
-    rng = _code(rng_state.numpy().tobytes().hex()) if rng_state is not None else 0.0
-    row = torch.tensor([len(tensors), names, weighted, plain, rng], dtype=torch.float64)
-    return torch.nan_to_num(row)  # a NaN input must not read as a mismatch
-
-
-def _positional_names(function) -> list[str]:
-    parameters = inspect.signature(function).parameters.values()
-    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
-def _compare_across_ranks(tensors, rng_state, group) -> None:
-    """One all-gather of the 5-number fingerprint; on a mismatch, name what differs and raise."""
-    device = tensors[0][1].device if tensors else torch.device("cpu")
-    mine = _fingerprint(tensors, rng_state).to(device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
-    if bad:
-        raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
-
-
-def _same_inputs_on_every_rank(model: nn.Module, group):
-    """The input check: before every forward, one all-gather of a 5-number fingerprint of *every* tensor
-    argument (and, in training mode, of the RNG state); on a mismatch, every rank (they all see it) joins
-    one more gather to name the arguments that differ, and raises InputMismatchError.
-
-    ``hook.paused`` skips it: `generate` checks its own arguments and the RNG state once per call, and
-    every forward inside it then gets inputs derived identically on every rank (the gathered logits are
-    the same bytes everywhere, sampling draws from the checked RNG state), so the decode steps need no
-    gather of their own."""
-    positional = _positional_names(model.forward)
-
-    def hook(module, args, kwargs):
-        if hook.paused or torch.compiler.is_compiling():  # compiled: the fingerprint reads values into
-            return  # Python floats, a graph break each; compiled forwards go unchecked (README, "torch.compile")
-        _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if module.training else None,
-                              group)
-
-    hook.paused = False
-    return hook
-
-
-def _same_generate_arguments_on_every_rank(model: nn.Module, group, forward_check=None) -> None:
-    """Ranks calling generate with different settings (max_new_tokens, ...) would run different numbers
-    of forwards and leave the others blocked in a collective: compare them once per call, up front, with
-    the tensor arguments (the prompt) and the RNG state (sampling); the per-forward check (`forward_check`)
-    is paused for the forwards generate runs."""
-    generate = model.generate
-    positional = _positional_names(generate)
-
-    @functools.wraps(generate)
-    def checked_generate(*args, **kwargs):
-        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        settings = {k: v for k, v in kwargs.items() if v is None or isinstance(v, (bool, int, float, str))}
-        settings["generation_config"] = config.to_json_string(use_diff=False) if config is not None else ""
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, settings, group=group)
-        differ = sorted(k for k in set().union(*gathered) if any(g.get(k) != gathered[0].get(k) for g in gathered))
-        if differ:
-            bad = [r for r, g in enumerate(gathered) if any(g.get(k) != gathered[0].get(k) for k in differ)]
-            raise InputMismatchError(
-                f"ranks {bad} called generate with other settings than rank 0: {', '.join(differ)} "
-                f"({differ[0]} = {[g.get(differ[0]) for g in gathered]} per rank). Every rank must generate "
-                "the same way, or the ranks run different numbers of forwards and block each other.")
-        if forward_check is None or forward_check.paused:  # no input check, or generate called re-entrantly
-            return generate(*args, **kwargs)
-        sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
-        _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if sampling else None, group)
-        forward_check.paused = True
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            forward_check.paused = False
-
-    model.generate = checked_generate
-
-
-def _mismatch_message(tensors, everyone: list[torch.Tensor], bad: list[int], group) -> str:
-    """Which arguments differ (a second, rare gather of per-argument summaries), and what to do."""
-    summary = {n: (tuple(t.shape), str(t.dtype), _sums(t)) for n, t in tensors}
-    gathered: list = [None] * len(everyone)
-    dist.all_gather_object(gathered, summary, group=group)
-    names = sorted(set().union(*gathered))
-    differ = [n for n in names if any(g.get(n) != gathered[0].get(n) for g in gathered)]
-    rng = any(e[4] != everyone[0][4] for e in everyone)
-    what = ", ".join(differ) if differ else ("the RNG state (training mode, or sampling)" if rng else "tensor values")
-    advice = ("seed every rank with the same torch.manual_seed before training or sampling (dropout masks and "
-              "sampled tokens must match)"
-              if rng and not differ else "give all ranks the same batch (same data order and seed)")
-    return (f"the ranks of this tensor-parallel model got different inputs: ranks {bad} differ from rank 0 in "
-            f"{what}. Every rank must call the model with the same tensors: {advice}.")
-
-
-def _use_loss_parallel(model: nn.Module, head) -> None:
-    from tpmap.engine.loss import hf_loss_function
-
-    head.loss_parallel = True
-    replacement = hf_loss_function(model.loss_function, head)
-    if replacement is not None:
-        model.loss_function = replacement
-    forward = model.forward
-    message = (f"{type(model).__name__} computes its loss from labels without its loss_function, on vocabulary-"
-               "sharded logits, so that loss would be wrong. With loss_parallel, call the model without labels and "
-               "use tpmap.vocab_parallel_cross_entropy(model, outputs.logits, labels).")
-
-    @functools.wraps(forward)  # keeps the signature transformers inspects (e.g. for logits_to_keep)
-    def forward_with_loss_check(*args, **kwargs):
-        # labels given but the loss not computed by our loss_function: refuse rather than return a wrong loss
-        calls = head.loss_calls
-        with_labels = kwargs.get("labels") is not None
-        try:
-            out = forward(*args, **kwargs)
-        except Exception as e:
-            if with_labels and head.loss_calls == calls:
-                raise LossParallelError(message) from e
-            raise
-        if with_labels and head.loss_calls == calls:
-            raise LossParallelError(message)
-        return out
-
-    model.forward = forward_with_loss_check
-
-
-def vocab_parallel_cross_entropy(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor,
-                                 ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of a vocabulary-parallel model's logits (no label shift), computed on this
-    rank's vocabulary shard: local logits (loss_parallel in training mode) or gathered ones."""
-    from tpmap.engine.layers import VocabParallelLMHead
-    from tpmap.engine.loss import vocab_parallel_cross_entropy as ce
-
-    head = next((m for m in model.modules() if isinstance(m, VocabParallelLMHead)), None)
-    if head is None:
-        raise LossParallelError("the model has no vocabulary-sharded LM head (vocab_parallel.lm_head in its mapping)")
-    return ce(logits, labels, head, ignore_index)
-
-
 def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     """The unsharded state dict of a tensor-parallel model (a collective: call it on every rank of its
     group; `group` defaults to the one it was sharded over).
 
     Keys and shapes are those of the original model, so it saves as a standard checkpoint."""
-    from tpmap.engine.shard import full_tensor
-
     plan = getattr(model, PLAN_ATTR, None)
     state = model.state_dict()
     if plan is None:
         return state
     shards = {}
-    for shard in plan.params.values():
-        for name in (shard.name, *shard.aliases):
-            shards[name] = shard
+    for param in plan.params.values():
+        for name in (param.name, *param.aliases):
+            shards[name] = param
     group = group_of(model, group)
-    return {k: full_tensor(v, shards[k], group) if k in shards else v for k, v in state.items()}
+    return {k: shard.full_tensor(v, shards[k], group) if k in shards else v for k, v in state.items()}
 
 
 def plan(model: nn.Module, world_size: int, *, mapping=None):
     """The plan `apply` would execute at `world_size`, without a process group and without changing `model`."""
-    from tpmap.engine import plan as planning
-
-    return planning.build(model, load_mapping(model, mapping), world_size)
+    return planner.build_plan(model, load_mapping(model, mapping), world_size)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpmap.engine import planner
+from tpmap.spec import source
+
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
 
 
@@ -74,15 +77,13 @@ def share_at(mapping, loaded, tp_size: int = 4) -> float | None:
     import transformers
     from transformers import AutoConfig
 
-    from tpmap.engine import plan as planning
-
     spec = next((s for s in mapping.verify if tp_size in s.world_sizes), None)
     if spec is None:
         return None
     config = AutoConfig.for_model(mapping.model_type, **spec.config)
     with torch.device("meta"):
         model = getattr(transformers, spec.models[0])(config)
-    plan = planning.build(model, loaded, tp_size)
+    plan = planner.build_plan(model, loaded, tp_size)
     shards = plan.params
     local = full = 0
     for name, p in model.named_parameters():
@@ -92,11 +93,10 @@ def share_at(mapping, loaded, tp_size: int = 4) -> float | None:
 
 
 def rows() -> list[Row]:
-    from . import loader
 
     out = []
-    for model_type, path in loader.shipped_files().items():
-        loaded = loader.load_file(path)
+    for model_type, path in source.shipped_files().items():
+        loaded = source.load_file(path)
         mapping = loaded.mapping
         forward, gradient, generate = proven_checks(mapping)
         notes = []

@@ -14,9 +14,10 @@ import sys
 
 
 def _verify(args) -> int:
-    from . import loader, verify
+    from tpmap import verify
+    from tpmap.spec import source
 
-    shipped = list(loader.shipped_files())
+    shipped = list(source.shipped_files())
     refs = shipped if args.all else args.model_types
     if not refs:
         print("tpmap verify: name model types or mapping files, or pass --all", file=sys.stderr)
@@ -43,7 +44,7 @@ def _plan(args) -> int:
     import transformers
     from transformers import AutoConfig
 
-    from . import api, verify
+    from tpmap import api, verify
 
     loaded = verify.resolve(args.model_type)  # a model type (shipped mapping) or a YAML path
     model_type = loaded.mapping.model_type
@@ -60,7 +61,7 @@ def _plan(args) -> int:
 
 
 def _models(args) -> int:
-    from . import catalog
+    from tpmap import catalog
 
     text = catalog.render(catalog.rows())
     if args.output:
@@ -72,8 +73,8 @@ def _models(args) -> int:
 
 
 def _lint(args) -> int:
-    from . import lint
-    from .lint import report
+    from tpmap import lint
+    from tpmap.lint import report
 
     if args.rules:
         width = max(map(len, lint.RULES))
@@ -91,14 +92,14 @@ def _lint(args) -> int:
 def _schema(args) -> int:
     import json
 
-    from .schema import json_schema
+    from tpmap.spec.schema import json_schema
 
     print(json.dumps(json_schema(), indent=2))
     return 0
 
 
 def _draft(args) -> int:
-    from . import draft
+    from tpmap import draft
 
     text = draft.draft(args.model_type)
     if args.output is None:
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .errors import TpmapError
+    from tpmap.spec.errors import TpmapError
 
     args = build_parser().parse_args(argv)
     try:

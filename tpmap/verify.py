@@ -16,6 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
+import tpmap
+from tpmap.engine.collectives import counting_collectives
+from tpmap.launch import RankFailure, RankPool
+from tpmap.spec import expr
+from tpmap.spec.errors import (
+    ConfigAttributeError,
+    DivisibilityError,
+    MappingError,
+    MissingInputError,
+    TpmapError,
+)
+from tpmap.spec.source import for_model_type, load_file
+
 RTOL = 1e-5
 INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head split hides at 1e-6
 
@@ -24,8 +37,6 @@ INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head s
 def resolve(ref: str):
     """A LoadedMapping from a model type (shipped mapping) or a path to a YAML file."""
     from pathlib import Path
-
-    from .loader import for_model_type, load_file
 
     return load_file(ref) if ref.endswith((".yaml", ".yml")) or Path(ref).is_file() else for_model_type(ref)
 
@@ -73,9 +84,6 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     and ``batch`` / ``seq``; kinds: ``ids`` (token ids), ``float`` (standard normal), ``mask`` (ones,
     last row right-padded by `pad`). Everything is drawn from one generator seeded with `seed`.
     """
-    from . import expr
-    from .errors import ConfigAttributeError, MissingInputError
-
     config = model.config
     declared = declared or {}
     gen = torch.Generator().manual_seed(seed)
@@ -125,8 +133,6 @@ def case_inputs(ref: str, verify_index: int, model) -> dict:
     """The example inputs of verify config `verify_index` of a mapping for `model` (one of its classes).
 
     A model whose inputs cannot be made raises a `MappingError` located at that verify config."""
-    from .errors import DivisibilityError, MappingError, MissingInputError, TpmapError
-
     loaded = resolve(ref)
     spec = loaded.mapping.verify[verify_index]
     try:
@@ -151,15 +157,12 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     """Runs on each rank: full vs sharded forward. Returns numbers for the report."""
     import torch.distributed as dist
 
-    import tpmap
-
     ws = dist.get_world_size() if dist.is_initialized() else 1
     loaded = resolve(ref)
     full = build_model(ref, verify_index, class_name)
     inputs = case_inputs(ref, verify_index, full)
     with torch.no_grad():
         reference = main_output(full(**inputs))
-    from tpmap.engine.collectives import counting_collectives
 
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
     with torch.no_grad(), counting_collectives() as comm:
@@ -239,8 +242,6 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
 def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False) -> list[Result]:
     """Run the cases, one RankPool per world size; world size 1 runs in this process. A failing case
     reports one line per rank (its exception); `verbose` gives every rank's whole traceback."""
-    from .launch import RankFailure, RankPool
-
     results = []
     for ws in sorted({c.world_size for c in case_list}):
         todo = [c for c in case_list if c.world_size == ws]

@@ -1,4 +1,4 @@
-"""engine.plan.build in collecting mode (what `tpmap lint` runs) agrees with raising mode (what
+"""engine.planner.build_plan in collecting mode (what `tpmap lint` runs) agrees with raising mode (what
 `tpmap.apply` runs): same first problem, same plan when clean."""
 from __future__ import annotations
 
@@ -7,52 +7,52 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from tpmap import loader
-from tpmap.engine import plan as planning
-from tpmap.errors import TpmapError
+from tpmap.spec import source
+from tpmap.engine import planner
+from tpmap.spec.errors import TpmapError
 
 
 def tiny(model_type: str):
-    spec = loader.for_model_type(model_type).mapping.verify[0]
+    spec = source.for_model_type(model_type).mapping.verify[0]
     with torch.device("meta"):
         return getattr(transformers, spec.models[0])(AutoConfig.for_model(model_type, **spec.config))
 
 
 def broken_llama():
-    text = loader.shipped_files()["llama"].read_text()
+    text = source.shipped_files()["llama"].read_text()
     for old, new in [("module: layers.*.mlp.up_proj", "module: layers.*.mlp.upproj"),
                      ("heads: num_key_value_heads", "heads: num_kv_heads"),
                      ("    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true"),
                      ("num_key_value_groups: per_rank", "num_key_value_group: per_rank")]:
         assert old in text
         text = text.replace(old, new, 1)
-    return loader.load_text(text, "broken.yaml")
+    return source.load_text(text, "broken.yaml")
 
 
 def test_collecting_finds_every_problem_and_the_first_is_what_apply_raises():
     model, loaded = tiny("llama"), broken_llama()
     errors: list[TpmapError] = []
-    planning.build(model, loaded, 2, errors)
+    planner.build_plan(model, loaded, 2, errors)
     assert [e.rule for e in errors] == ["config-attribute", "update-attribute", "pattern-no-match", "orientation"]
     assert all(str(e) == f"{e.position}: {e.message}" for e in errors)
     with pytest.raises(TpmapError) as raised:
-        planning.build(model, loaded, 2)
+        planner.build_plan(model, loaded, 2)
     assert str(raised.value) == str(errors[0]) and type(raised.value) is type(errors[0])
 
 
-@pytest.mark.parametrize("model_type", sorted(loader.shipped_files()))
+@pytest.mark.parametrize("model_type", sorted(source.shipped_files()))
 def test_clean_mapping_gives_the_same_plan_in_both_modes(model_type):
-    model, loaded = tiny(model_type), loader.for_model_type(model_type)
+    model, loaded = tiny(model_type), source.for_model_type(model_type)
     errors: list[TpmapError] = []
-    assert planning.build(model, loaded, 2, errors) == planning.build(model, loaded, 2)
+    assert planner.build_plan(model, loaded, 2, errors) == planner.build_plan(model, loaded, 2)
     assert errors == []
 
 
 def test_check_expressions_covers_entries_that_match_nothing():
-    text = loader.shipped_files()["gpt2"].read_text().replace(
+    text = source.shipped_files()["gpt2"].read_text().replace(
         "  - kind: Row\n    module: h.*.mlp.c_proj\n", "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n")
-    loaded = loader.load_text(text, "g.yaml")
-    found = planning.check_expressions(tiny("gpt2").config, loaded)
+    loaded = source.load_text(text, "g.yaml")
+    found = planner.check_expressions(tiny("gpt2").config, loaded)
     line = text.splitlines().index("    heads: n_heads") + 1
     assert [(e.rule, e.position.line, e.position.col) for e in found] == [("config-attribute", line, 12)]
     assert "has no attribute 'n_heads' (did you mean n_head?)" in found[0].message
@@ -73,11 +73,11 @@ def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
 def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
     two missing values, without which lint can only report model-build (and checks no world size)."""
-    from tpmap import loader
+    from tpmap.spec import source
     from tpmap.lint import lint_file
 
-    text = loader.shipped_files()["dbrx"].read_text()
-    assert lint_file(str(loader.shipped_files()["dbrx"])) == []
+    text = source.shipped_files()["dbrx"].read_text()
+    assert lint_file(str(source.shipped_files()["dbrx"])) == []
     line = next(x for x in text.splitlines() if x.startswith("default_config:"))
     path = tmp_path / "dbrx.yaml"
     path.write_text(text.replace(line + "\n", ""))

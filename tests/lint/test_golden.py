@@ -190,7 +190,7 @@ def test_lint_loads_no_weights_and_starts_no_process_group(monkeypatch):
 
 def test_schema_command(capsys):
     from tpmap.cli import main
-    from tpmap.schema import Mapping
+    from tpmap.spec.schema import Mapping
 
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
@@ -201,7 +201,7 @@ def test_schema_command(capsys):
 
 
 def test_shipped_schema_file_is_current_and_referenced():
-    from tpmap.schema import json_schema
+    from tpmap.spec.schema import json_schema
 
     shipped = json.loads((ROOT / "mappings" / "mapping.schema.json").read_text())
     assert shipped == json_schema(), "regenerate it: tpmap schema > mappings/mapping.schema.json"

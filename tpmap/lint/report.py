@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import Diagnostic
+from tpmap.lint.diagnostic import Diagnostic
 
 FORMATS = ("text", "json", "github")
 

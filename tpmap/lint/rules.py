@@ -9,7 +9,7 @@ Which models are built (all on the meta device: shapes only, no weights, no proc
 * every embedded tiny ``verify`` config with its first class, at world size 1 and at its own
   ``world_sizes`` (what `tpmap verify` will run).
 
-The per-entry checks are `engine.plan.build` in collecting mode -- the same code `tpmap.apply` runs --
+The per-entry checks are `engine.planner.build_plan` in collecting mode -- the same code `tpmap.apply` runs --
 so the linter and `apply` cannot disagree. Coverage and pairing are lint-only rules (below).
 A problem found once is not repeated: a later model or world size only adds problems at a new
 (place, rule), and world-size problems name the world size.
@@ -18,100 +18,31 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from typing import Iterable
 
-from ..errors import TpmapError, did_you_mean
-from ..loader import LoadedMapping
-from ..schema import Column, Param, Row
-from . import Diagnostic
+import transformers
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-_LAYER_KEY = re.compile(r"layers")
-
-
-# -- building models -------------------------------------------------------------------------------
-def reduced_default_config(model_type: str, patch: dict | None = None):
-    """The default config of `model_type` with every layer count (`num_hidden_layers` through the
-    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2.
-
-    Hybrid stacks keep enough layers to hold one of each kind in the config's ``layer_types`` (the
-    transformers convention for per-layer kinds): Jamba's first attention layer is layer 4, and with
-    2 layers the attention entries of its mapping would match nothing.
-
-    `patch`: the mapping's ``default_config`` (values transformers' own defaults lack to build at all)."""
-    from transformers import AutoConfig
-
-    patch = dict(patch or {})
-    config = AutoConfig.for_model(model_type, **patch)
-    overrides = {k: 2 for k, v in config.to_dict().items()
-                 if _LAYER_KEY.search(k) and type(v) is int and v > 2}
-    if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
-        overrides["num_hidden_layers"] = max(2, _layers_for_every_kind(config))
-    return AutoConfig.for_model(model_type, **patch, **overrides) if overrides else config
-
-
-def _layers_for_every_kind(config) -> int:
-    """How many leading layers include every kind listed in ``config.layer_types`` (0 without one)."""
-    try:
-        kinds = config.layer_types
-    except Exception:  # a property that cannot be computed for this config
-        return 0
-    if not isinstance(kinds, (list, tuple)) or len(kinds) != config.num_hidden_layers:
-        return 0
-    first: dict = {}
-    for i, kind in enumerate(kinds):
-        first.setdefault(str(kind), i)
-    return max(first.values(), default=-1) + 1
-
-
-def config_keys(config) -> set[str]:
-    """Names a config accepts: its attributes, its attribute_map aliases and its __init__ parameters."""
-    keys = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
-    for cls in type(config).__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is not None:
-            keys |= {n for n, p in inspect.signature(init).parameters.items()
-                     if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return keys
-
-
-def build_meta(cls, config):
-    import torch
-
-    with torch.device("meta"):  # shapes only: no memory, no weights read, nothing initialised
-        return cls(config)
-
-
-# -- blocks ----------------------------------------------------------------------------------------
-def block_prefixes(base) -> list[str]:
-    """The repeated blocks: the elements of the outermost nn.ModuleLists of the base model
-    (``h.0``, ``layers.3``, ``encoder.block.1``, ``encoder.layer.0``). A ModuleList inside a block
-    (T5's ``block.0.layer``, experts) belongs to that block."""
-    from torch import nn
-
-    lists: list[str] = []
-    for name, module in base.named_modules():
-        if isinstance(module, nn.ModuleList) and name and not any(name.startswith(p + ".") for p in lists):
-            lists.append(name)
-    return [f"{ln}.{child}" for ln in lists for child, _ in base.get_submodule(ln).named_children()]
-
-
-def block_of(name: str, blocks: list[str]) -> str | None:
-    for b in blocks:
-        if name == b or name.startswith(b + "."):
-            return b
-    return None
-
-
-def generic(name: str) -> str:
-    """A module name with its block indices as '*' (h.3.attn.c_attn -> h.*.attn.c_attn)."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", name)
+from tpmap.engine import planner
+from tpmap.engine.blocks import block_of, block_prefixes
+from tpmap.lint.diagnostic import Diagnostic
+from tpmap.meta import build_meta, config_keys, reduced_default_config
+from tpmap.spec import expr
+from tpmap.spec.errors import TpmapError, did_you_mean
+from tpmap.spec.patterns import (
+    generic_pattern,
+    match_entry,
+    match_modules,
+    suggest_module,
+)
+from tpmap.spec.schema import Column, Param, Row, config_matches
+from tpmap.spec.source import LoadedMapping
 
 
 # -- the lint-only rules ---------------------------------------------------------------------------
 def _covered_kinds() -> tuple:
-    from torch import nn
-    from transformers.pytorch_utils import Conv1D
-
     return (nn.Linear, nn.Embedding, Conv1D)
 
 
@@ -119,10 +50,8 @@ class _Matches:
     """What each entry and replicated pattern of a mapping matches in one base model."""
 
     def __init__(self, loaded: LoadedMapping, modules: dict):
-        from tpmap.engine.plan import match, match_entry
-
         self.entries = [match_entry(e, modules) for e in loaded.mapping.entries]
-        self.replicated = [match(p, modules) for p in loaded.mapping.replicated_patterns]
+        self.replicated = [match_modules(p, modules) for p in loaded.mapping.replicated_patterns]
 
 
 def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
@@ -142,7 +71,7 @@ def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matche
         parts = name.split(".")
         if any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1)):
             continue
-        g = generic(name)
+        g = generic_pattern(name)
         if g in seen:
             continue
         seen.add(g)
@@ -177,12 +106,10 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str],
                          prefix: str) -> list[Diagnostic]:
     """A replicated pattern must match a module in at least one of the models built (a pooler, say,
     exists in some classes only)."""
-    from tpmap.engine.plan import suggest as _suggest
-
     return [
         Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
                       f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
-                      f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){_suggest(pattern, names)}")
+                      f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){suggest_module(pattern, names)}")
         for k, pattern in enumerate(loaded.mapping.replicated_patterns) if k not in hit
     ]
 
@@ -195,8 +122,6 @@ def _kind(module) -> str:
 def _sequential_input_side(modules: dict, weights: list[str], m: _Matches, columns: set[str]) -> set[str]:
     """Weights kept whole by a `replicated` pattern (they or a parent) that lie in an earlier child of an
     nn.Sequential than some Column: the Sequential feeds them into it, so they are its input side."""
-    from torch import nn
-
     kept = {n for ns in m.replicated for n in ns}
 
     def is_kept(w: str) -> bool:
@@ -236,8 +161,6 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
     Limits: the rule sees the module tree, not the data flow: a split output that reaches the wrong
     Row of the same scope passes here and fails `tpmap verify`.
     """
-    from torch import nn
-
     mapping = loaded.mapping
     kinds = _covered_kinds()
     weights = [n for n, mod in modules.items() if n and isinstance(mod, kinds)]
@@ -272,18 +195,18 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
                     break
             if any(w in partner for w in near):
                 continue
-            where = (f"{generic(scope)}" if scope else "the base model outside the repeated blocks")
+            where = (f"{generic_pattern(scope)}" if scope else "the base model outside the repeated blocks")
             if feeds_blocks:
-                where = f"the repeated blocks{' of ' + generic(scope) if scope else ''}"
-            shown_near = list(dict.fromkeys(f"{generic(w)} ({_kind(modules[w])})" for w in near))  # one per block kind
+                where = f"the repeated blocks{' of ' + generic_pattern(scope) if scope else ''}"
+            shown_near = list(dict.fromkeys(f"{generic_pattern(w)} ({_kind(modules[w])})" for w in near))  # one per block kind
             shown = ", ".join(shown_near[:3]) + (", ..." if len(shown_near) > 3 else "")
             if isinstance(entry, Column):
-                msg = (f"Column {generic(name)} leaves its output split, but no Row entry takes it: "
+                msg = (f"Column {generic_pattern(name)} leaves its output split, but no Row entry takes it: "
                        + (f"the nearest other weights, in {where}, are {shown}, none a Row; make the one that "
                           "consumes this output a Row" if near else f"{where} holds no other weight to be its Row")
                        + ", or set gather_output: true")
             else:
-                msg = (f"Row {generic(name)} expects its input split by a Column, but "
+                msg = (f"Row {generic_pattern(name)} expects its input split by a Column, but "
                        + (f"the nearest other weights, in {where}, are {shown}, none a Column (without "
                           "gather_output); add the Column that feeds it" if near
                           else f"{where} holds no other weight to be its Column")
@@ -317,10 +240,6 @@ class _Report:
 
 def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     """Every problem of a mapping that passed the schema, found against the real model classes."""
-    import transformers
-
-    from tpmap.engine import plan as planning
-
     mapping, src = loaded.mapping, loaded.source
     report = _Report()
     if mapping.model_type not in transformers.CONFIG_MAPPING:
@@ -363,7 +282,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
         for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config)):
             report.add(d)
-    report.add_errors(planning.check_expressions(default, loaded))
+    report.add_errors(planner.check_expressions(default, loaded))
     configs = [("the default config", default)]  # every config lint checks, for `when`
 
     replicated_hit: set[int] = set()
@@ -378,7 +297,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
 
     def check(model, tp_size: int, label: str = "", structure: bool = True, default: bool = False) -> None:
         errors: list[TpmapError] = []
-        planning.build(model, loaded, tp_size, errors)
+        planner.build_plan(model, loaded, tp_size, errors)
         for e in errors:
             key = (e.position.line, e.position.col) if e.rule == "pattern-no-match" else None
             if default and key:
@@ -389,7 +308,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                            or (e.position.line, e.position.col) not in unmatched_in_default), label)
         if not structure:
             return
-        base, prefix = planning.base_prefix(model)
+        base, prefix = planner.base_prefix(model)
         modules = dict(base.named_modules())
         names = [n for n in modules if n]
         blocks = block_prefixes(base)
@@ -437,7 +356,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                      f"the verify config {spec.name!r} is rejected: {type(e).__name__}: {e}"))
             continue
         configs.append((f"verify {spec.name!r}", config))
-        report.add_errors(planning.check_expressions(config, loaded), f"verify {spec.name!r}: ")
+        report.add_errors(planner.check_expressions(config, loaded), f"verify {spec.name!r}: ")
         model = built(found[0], config, v)
         if model is None:
             continue
@@ -462,8 +381,6 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
 def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
     """An entry whose `when` matches none of the configs lint checks is never checked nor proven: add a
     verify config of that variant, or fix the condition (a misspelt attribute never matches)."""
-    from ..schema import config_matches
-
     out = []
     for i, entry in enumerate(loaded.mapping.entries):
         if not entry.when or any(config_matches(entry.when, c) for _, c in configs):
@@ -492,8 +409,6 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str])
     """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
     class's main input is input_ids (derived) or declared; declared names are arguments of every
     class's forward; their shapes name config attributes (`known`: the config's keys) or `batch` / `seq`."""
-    from .. import expr
-
     spec, src = loaded.mapping.verify[v], loaded.source
     out = []
     for cls in classes:
@@ -525,8 +440,6 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str])
 def _reads(cls, name: str) -> bool:
     """Whether the modeling source of `cls` names `name` (configs need not declare every attribute their
     model reads, e.g. a `config.decoder_start_token_id` read by a seq2seq model)."""
-    import sys
-
     source = _source(sys.modules[cls.__module__])
     return re.search(rf"\b{re.escape(name)}\b", source) is not None
 
@@ -541,7 +454,6 @@ def _source(module) -> str:
 
 
 def _example_class(config_cls) -> str:
-    import transformers
 
     stem = config_cls.__name__.removesuffix("Config")
     for suffix in ("ForCausalLM", "Model", "ForMaskedLM"):

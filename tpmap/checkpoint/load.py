@@ -5,14 +5,14 @@ The steps mirror transformers' `from_pretrained` and reuse its parts (config, dt
 the meta device under its init context, the conversion mapping, tying, initializing missing weights,
 the loading report, the generation config); only the reading differs:
 
-1. open the folder (`tpmap.checkpoint`): every file's header is checked, nothing read yet;
-2. build the model on the meta device, match checkpoint names to model tensors (`tpmap.conversion`)
-   and check every shape; tie weights; build the plan (`engine.plan.build`, every mapping check);
+1. open the folder (`tpmap.checkpoint.safetensors`): every file's header is checked, nothing read yet;
+2. build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
+   and check every shape; tie weights; build the plan (`engine.planner.build_plan`, every mapping check);
    up to here every bad input raises on every rank alike, before any collective;
 3. materialize and initialize what the checkpoint lacks (missing weights, non-persistent buffers such
    as rotary ``inv_freq``) on the full-size model exactly as transformers does, so random init and
    computed buffers equal those of a fully loaded model;
-4. read the tensors that stay whole, then execute the plan (`tpmap.api.install`) with a reader that
+4. read the tensors that stay whole, then execute the plan (`tpmap.api.apply_plan`) with a reader that
    reads each split tensor's slice for this rank from the file instead of slicing a loaded tensor;
 5. agree: one all-reduce of a failure flag, so a rank that failed while reading makes every rank raise.
 
@@ -25,10 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from tpmap.engine import planner
+from tpmap.engine.sequence_plan import plan_sequence_parallel
+from tpmap.engine.shard import take
 
-from . import api, conversion
-from .checkpoint import Checkpoint
-from .errors import CheckpointError, LoadError
+from tpmap import api
+from tpmap.checkpoint import conversion
+from tpmap.checkpoint.safetensors import Checkpoint
+from tpmap.spec.errors import CheckpointError, LoadError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
@@ -75,10 +79,10 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.monkey_patching import patch_output_recorders
     from transformers.utils import ContextManagers
-    from transformers.utils.loading_report import LoadStateDictInfo, log_state_dict_report
-
-    from tpmap.engine import plan as planning
-    from tpmap.engine.shard import take
+    from transformers.utils.loading_report import (
+        LoadStateDictInfo,
+        log_state_dict_report,
+    )
 
     group = api.process_group(group)
     tp_size, tp_rank = api.resolve_group(world_size, group)
@@ -116,9 +120,9 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
     reader = conversion.Reader(model, sources, dtype_of, device, progress)
     _tie(model, reader, hf_modeling.logger)
-    plan = planning.build(model, loaded, tp_size)
+    plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
-    sequence = api.sequence_plan(model, plan, sequence_parallel)
+    sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
     missing = _missing(model, sources)
 
     def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
@@ -133,8 +137,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         _initialize_missing(model, missing, device)
         progress.total = _load_whole(model, plan if tp_size > 1 else None, tp_rank, reader, sources)
         if tp_size > 1:
-            api.install(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs, read=read,
-                        sequence=sequence)
+            api.apply_plan(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
+                           read=read, sequence=sequence)
         _check_materialized(model)
     except Exception as e:  # every rank must learn of it (below) before raising, or the others would hang later
         failure = e
@@ -162,7 +166,10 @@ def _config_and_class(folder: Path, model_class, kwargs: dict, trust_remote_code
     """(config, model class, the kwargs the config did not take: for the model's constructor)."""
     import transformers
     from transformers import AutoConfig
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+    from transformers.models.auto.auto_factory import (
+        _BaseAutoModelClass,
+        _get_model_class,
+    )
 
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder} has no config.json; tpmap.from_pretrained needs the model folder as "

@@ -19,9 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from tpmap.engine.shard import full_tensor
 
-from .api import PLAN_ATTR, group_of
-from .checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SafetensorsWriter, with_variant
+from tpmap.api import PLAN_ATTR, group_of
+from tpmap.checkpoint.safetensors import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SafetensorsWriter,
+    with_variant,
+)
 
 _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process")
 
@@ -154,7 +160,11 @@ def _conversions(model: nn.Module):
 def _conversion_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
     """The keys whose reverse conversion needs them together, as transformers' revert_weight_conversion
     groups them (by the name its reverse converter gives them), in its order."""
-    from transformers.core_model_loading import WeightConverter, apply_converters, dot_natural_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        apply_converters,
+        dot_natural_key,
+    )
 
     conversions = _conversions(model)
     if not conversions:  # transformers then keeps the state dict as it is, in its order
@@ -194,8 +204,6 @@ def _assign_files(outputs: dict, weights_name: str, max_shard_size) -> dict[str,
 
 def _gather(model: nn.Module, name: str, entry, plan, group) -> torch.Tensor | None:
     """The full tensor `name` on rank 0 (None elsewhere); a collective when it is split or on another rank."""
-    from tpmap.engine.shard import full_tensor
-
     shape, dtype, how = entry
     rank = dist.get_rank(group)
     if how == "local":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 from typing import Callable
 
-from .errors import DivisibilityError, TpmapError
+from tpmap.spec.errors import DivisibilityError, TpmapError
 
 PER_RANK_NAMES = ("tp_size", "tp_rank")
 MAX_CHARS = 256  # the longest shipped expression has ~60; bounds parsing and checking (no deep recursion)

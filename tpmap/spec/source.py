@@ -19,14 +19,20 @@ from typing import Any
 import pydantic
 import yaml
 
-from .errors import MappingError, MappingErrors, Position, UnknownModelTypeError, did_you_mean
-from .schema import ENTRY_KINDS, Mapping
+from tpmap.spec import schema
+from tpmap.spec.errors import (
+    MappingError,
+    MappingErrors,
+    Position,
+    UnknownModelTypeError,
+    did_you_mean,
+)
+from tpmap.spec.schema import ENTRY_KINDS, Mapping
 
 
 @dataclass
 class SourceMap:
     """Where each node of a YAML document sits. Paths are tuples of keys and list indices."""
-
     path: str
     values: dict[tuple, Position] = field(default_factory=dict)
     keys: dict[tuple, Position] = field(default_factory=dict)
@@ -61,7 +67,6 @@ LIMITS = {
 
 class _Budget:
     """Counts nodes as aliases expand them; `_construct` stops at LIMITS."""
-
     def __init__(self):
         self.nodes = 0
 
@@ -72,7 +77,6 @@ def _pos(path: str, node: yaml.Node) -> Position:
 
 class _TooLarge(Exception):
     """Raised inside `_construct` when a limit is hit; becomes a MappingError at the node."""
-
     def __init__(self, error: MappingError):
         self.error = error
 
@@ -215,8 +219,6 @@ def _data_loc(data: Any, loc: tuple) -> tuple:
 
 def _valid_keys(model_cls, data_loc: tuple, data: Any) -> list[str]:
     """The field names allowed in the mapping that holds an unknown key (for 'valid keys are ...')."""
-    from . import schema
-
     parent = data_loc[:-1]
     if parent == ():
         return list(schema.Mapping.model_fields)

@@ -28,13 +28,12 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-
-from tpmap.engine.load import Scratch, read_local, read_whole
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import take
+from tpmap.engine.slice_io import Scratch, read_local, read_whole
 
-from .checkpoint import Checkpoint, StoredTensor
-from .errors import CheckpointError
+from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
+from tpmap.spec.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,6 @@ LAZY_CONVERSIONS = True  # False: always convert whole tensors (the fallback), f
 @dataclass
 class Source:
     """The stored tensors one model tensor (or, for a one-to-many converter, several) is made of."""
-
     target: str  # the first model tensor it gives (transformers groups a converter's inputs under it)
     stored: list[tuple[str, StoredTensor]] = field(default_factory=list)  # (source pattern, tensor), in order
     converter: object | None = None  # a transformers WeightConverter (template, never fed); None: stored as is
@@ -60,7 +58,12 @@ class Source:
 def match(model, checkpoint: Checkpoint, conversions) -> tuple[dict[str, Source], set[str]]:
     """(the Source of every model tensor the checkpoint holds, the checkpoint's unexpected keys), named
     exactly as transformers' `from_pretrained` names them; shapes checked against the model's."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
@@ -125,7 +128,6 @@ def _convert(source: Source, tensors: list[torch.Tensor], model) -> dict[str, to
 class _Lazy:
     """How to read one rank's slice of a converted tensor: per stored tensor, None (skip it), "all", or
     ranges along `dim` of it; the converter run on those gives exactly the rank's slice, in order."""
-
     dim: int | None  # the stored tensors' dim that becomes the target's split dim (None: whole tensors)
     reads: tuple  # per stored tensor
 
@@ -193,7 +195,7 @@ class Reader:
             if how == "all":
                 part = read_whole(stored.read_into, stored.shape, stored.dtype)
             else:
-                part = read_local(stored.read_into, ParamShard(stored.name, stored.shape, lazy.dim, (how,)), 0,
+                part = read_local(stored.read_into, ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim, pieces=(how,)), 0,
                                   stored.dtype, self.scratch)
             parts.append(part.to(dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
@@ -358,7 +360,7 @@ def equal(reader: Reader, a: str, b: str) -> bool:
     step = max(1, (64 << 20) // max(1, math.prod(ta.shape[1:]) * 4))
     for start in range(0, rows, step):
         n = min(step, rows - start)
-        block = ParamShard(a, ta.shape, 0, (((start, n),),))
+        block = ParamShard(name=a, full_shape=ta.shape, dim=0, pieces=(((start, n),),))
         x = read_local(ta.read_into, block, 0, ta.dtype).to(reader.dtype_of(a))
         y = read_local(tb.read_into, block, 0, tb.dtype).to(reader.dtype_of(b))
         if not torch.equal(x, y):

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .plan import ParamShard
+from tpmap.engine.plan import ParamShard
 
 # read_into(buffer, byte_offset): fill `buffer` (a writable memoryview) with the stored tensor's bytes
 # starting `byte_offset` bytes after the start of its data.

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from tpmap.spec.errors import CheckpointError
 
 DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
@@ -122,7 +122,6 @@ class SafetensorsFile:
 @dataclass(frozen=True, eq=False)
 class StoredTensor:
     """One tensor of a safetensors file: where its bytes are, and how to read a range of them."""
-
     file: SafetensorsFile
     name: str
     dtype: torch.dtype

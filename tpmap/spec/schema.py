@@ -40,9 +40,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
-from . import expr
+from tpmap.spec import expr
 
 ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
 
@@ -141,7 +150,6 @@ class _Entry(_Strict):
 
 class Section(_Strict):
     """One block of a fused weight, in the order the blocks are stored along the split dimension."""
-
     size: Expr | None = Field(
         None, description="features in this section (expression); default: heads x the common head size"
     )
@@ -163,7 +171,6 @@ class Section(_Strict):
 
 class _Layout(_Strict):
     """How the features along the split dim are laid out (shared by Column, Row, Param and Norm)."""
-
     sections: StrictInt | list[Section] | CheckedExpr | None = Field(
         None,
         description="the split dimension is a concatenation of blocks, each split on its own and regrouped "
@@ -232,7 +239,6 @@ class _Sharded(_Layout, _Entry):
 
 class Column(_Sharded):
     """Split the output features: rank r holds rows [r] of an nn.Linear weight (columns of A in Y = XA)."""
-
     kind: Literal["Column"]
     gather_output: StrictBool = Field(
         False, description="all-gather the output back to the full width (in the original feature order)"
@@ -245,7 +251,6 @@ class Column(_Sharded):
 
 class Row(_Sharded):
     """Split the input features; the partial outputs are all-reduced and the bias is added once."""
-
     kind: Literal["Row"]
 
 
@@ -255,7 +260,6 @@ class Update(_Entry):
     Keys are attribute paths on the matched module; a path through ``config`` (``config.num_attention_heads``)
     gives the module its own copy of the config, so the model's shared config keeps the full sizes.
     """
-
     kind: Literal["Update"]
     module: Pattern = Field(description="modules whose attributes change")
     attributes: dict[AttributePath, CheckedExpr] = Field(
@@ -279,7 +283,6 @@ class Param(_Layout, _Entry):
     Example: ``{kind: Param, module: "layers.*.mlp.experts", params: [gate_up_proj], dim: 1, sections: 2}``
     gives each rank ``[E, 2I/ws, H]`` = ``[gate_r | up_r]`` of every expert.
     """
-
     kind: Literal["Param"]
     module: Pattern = Field(description="modules that own the tensors")
     params: list[Annotated[str, AfterValidator(_check_attribute_path)]] = Field(
@@ -310,7 +313,6 @@ class Reduce(_Entry):
     the gradient backward, as a Column's input) and its output -- a tensor, or the first tensor of a
     tuple -- leaves through ``reduce_from_tp_region`` (all-reduce forward, identity backward, as a Row's).
     """
-
     kind: Literal["Reduce"]
     module: Pattern = Field(description="modules whose output is a partial sum on every rank")
 
@@ -324,7 +326,6 @@ class Enter(_Entry):
     applies to its own heads (a partial gradient). The Columns downstream of it then set
     ``copy_input: false``, and replicated modules in between (a norm) need ``grad_allreduce``.
     """
-
     kind: Literal["Enter"]
     module: Pattern = Field(description="modules whose output gradient is partial on every rank")
 
@@ -337,7 +338,6 @@ class Input(_Entry):
     rank r keeps the heads its attention holds. ``flattened: true`` when `dim` holds batch x heads
     (batch-major), viewed as ``[B, H]`` to slice. A dim of size 1 (a broadcast) is left whole.
     """
-
     kind: Literal["Input"]
     module: Pattern = Field(description="modules whose forward receives the argument")
     argument: Annotated[str, AfterValidator(_check_attribute_path)] = Field(
@@ -358,7 +358,6 @@ class Norm(_Layout, _Entry):
     (``heads``/``sections``), so its gradient needs no collective. ``eps`` is read from the module's
     ``variance_epsilon`` or ``eps``. For norms over one head (``[head_dim]``), use ``grad_allreduce``.
     """
-
     kind: Literal["Norm"]
     statistic: Literal["rms", "layer"] = Field(description="rms: RMSNorm; layer: LayerNorm (mean subtracted)")
 
@@ -375,7 +374,6 @@ KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
 
 class ExampleInput(_Strict):
     """One example input of a verify config: a tensor of this shape, filled according to its kind."""
-
     shape: list[CheckedExpr] = Field(
         min_length=1, description="dimensions, integer expressions over config attributes and `batch` / `seq` "
         "(the batch size and sequence length of the derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
@@ -388,7 +386,6 @@ class ExampleInput(_Strict):
 
 class Verify(_Strict):
     """An embedded tiny configuration that `tpmap verify` and the tests build (no download)."""
-
     name: str = Field("default", description="a short name for this configuration in reports")
     config: dict[str, Any] = Field(
         description="overrides for AutoConfig.for_model(model_type); keep it tiny, with head counts that "
@@ -428,7 +425,6 @@ class KeptWhole(_Strict):
           - module: layers.*.rel_attn
             reason: the output projection is an einsum followed by residual + LayerNorm in one module
     """
-
     module: Pattern
     reason: str = Field(min_length=1, description="why it cannot be split, naming the code that prevents it")
 
@@ -439,7 +435,6 @@ class Unsupported(_Strict):
     """A config variant the mapping cannot shard correctly: `tpmap.apply` and lint refuse it, saying why,
     instead of returning wrong numbers (e.g. BLOOM's ``slow_but_exact`` path slices the Row weights
     into direct F.linear calls that bypass the Row's all-reduce)."""
-
     when: When
     reason: str = Field(min_length=1, description="why, and what to set instead")
 
@@ -450,7 +445,6 @@ class VocabParallel(_Strict):
     (``get_input_embeddings()`` / ``get_output_embeddings()``), so no pattern is needed; every module
     that shares the embedding's weight (tied heads, per-stack copies) shares the one sharded weight.
     A vocabulary that the world size does not divide is padded; padded logits never reach outputs."""
-
     embedding: StrictBool = Field(
         True, description="rank r holds rows [r*V/ws, (r+1)*V/ws) of the input embedding: masked lookup + all-reduce"
     )
@@ -462,7 +456,6 @@ class VocabParallel(_Strict):
 
 class Mapping(_Strict):
     """A whole mapping file."""
-
     model_type: str = Field(description="the transformers config.model_type this file maps")
     world_sizes: list[WorldSize] = Field(
         [1, 2, 4, 8], description="world sizes the mapping supports on the default config of the model type"
