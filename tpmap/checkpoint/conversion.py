@@ -55,7 +55,7 @@ class Source:
         return first if len(self.stored) == 1 else f"{first} and {len(self.stored) - 1} more tensors"
 
 
-def match(model, checkpoint: Checkpoint, conversions) -> tuple[dict[str, Source], set[str]]:
+def match_checkpoint_names(model, checkpoint: Checkpoint, conversions) -> tuple[dict[str, Source], set[str]]:
     """(the Source of every model tensor the checkpoint holds, the checkpoint's unexpected keys), named
     exactly as transformers' `from_pretrained` names them; shapes checked against the model's."""
     from transformers.core_model_loading import (

@@ -114,7 +114,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         patch_output_recorders(model)
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, key_mapping, None)
-    sources, unexpected = conversion.match(model, checkpoint, conversions)
+    sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
     dtype_of = _dtypes(model, dtype)
 
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
