@@ -1,5 +1,5 @@
 """Eager forward latency of the compile-ready collectives against the previous ones, interleaved in one
-process pair (issue 11: making tpmap traceable must not slow eager down).
+process pair (making tpmap traceable must not slow eager down).
 
 "before" is the previous implementation, rebuilt in-process: every collective through its autograd
 Function with a copy before the in-place all-reduce (also without grad), and no SharedCopy hooks.

@@ -1,4 +1,4 @@
-"""Graph breaks of a tpmap model under torch.compile, against the unsharded model (issue 11, item 3).
+"""Graph breaks of a tpmap model under torch.compile, against the unsharded model.
 
 For each tiny verify model: `torch._dynamo.explain` of the eval forward and of a training forward
 (train mode, loss from labels; AOT compiles its backward with it), with dropout set to 0 and as

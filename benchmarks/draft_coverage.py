@@ -1,7 +1,8 @@
 """How many `tpmap draft` outputs verify unedited: ``python benchmarks/draft_coverage.py [MODEL_TYPE ...]``.
 
-Drafts every model type of ../shared/ARCHITECTURES.md (the backticked model_type column; or the model
-types given), loads each draft, and runs `tpmap verify`'s forward case on it at world size 2 (``-n``)
+Drafts every model type that ships a mapping (``mappings/*.yaml``: the 120 text architectures; or, with
+``--auto``, every model type of transformers' causal-LM, seq2seq-LM and masked-LM auto mappings; or the
+model types given), loads each draft, and runs `tpmap verify`'s forward case on it at world size 2 (``-n``)
 on one pool of real gloo ranks, each model under a time limit (``--timeout``). Prints one line per
 model type and the count, and with ``--out FILE`` writes the same as a Markdown table. Slow on 2
 cores (about 2-3 s per model once the ranks are up). A draft that cannot be made, a model that does
@@ -11,24 +12,31 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ARCHITECTURES = Path(__file__).resolve().parents[2] / "shared" / "ARCHITECTURES.md"
 MAX_PARAMETERS = 50_000_000  # per verify model: it is built on every rank and once more on failure
 
+AUTO_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                 "MODEL_FOR_MASKED_LM_MAPPING_NAMES")
 
-def model_types(path: Path) -> list[str]:
-    """The backticked model_type column of the main table, in table order."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 8 and re.fullmatch(r"`[^`]+`", cells[2]):
-            out.append(cells[2].strip("`"))
-    return list(dict.fromkeys(out))
+
+def shipped_model_types() -> list[str]:
+    """The model types that ship a mapping (the file stem is the model_type), sorted."""
+    import importlib.resources
+
+    folder = importlib.resources.files("tpmap.mappings")
+    return sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
+
+
+def auto_model_types() -> list[str]:
+    """Every model type of transformers' causal-LM, seq2seq-LM and masked-LM auto mappings, sorted: the
+    text models a draft is for (shipped or not; vision towers such as vit are not among them)."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted({t for name in AUTO_MAPPINGS for t in getattr(modeling_auto, name)})
 
 
 def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) -> tuple[str, str]:
@@ -95,8 +103,9 @@ def unsharded_problem(case) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model_types", nargs="*", help="default: every model type of ARCHITECTURES.md")
-    parser.add_argument("--architectures", type=Path, default=ARCHITECTURES)
+    parser.add_argument("model_types", nargs="*", help="default: every model type with a shipped mapping")
+    parser.add_argument("--auto", action="store_true", help="every model type of transformers' causal-LM, "
+                        "seq2seq-LM and masked-LM auto mappings instead of the shipped ones")
     parser.add_argument("-n", "--world-size", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per model type on the ranks")
     parser.add_argument("--out", type=Path, help="also write the results as a Markdown table here")
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
 
     from tpmap.launch import RankPool
 
-    types = args.model_types or model_types(args.architectures)
+    types = args.model_types or (auto_model_types() if args.auto else shipped_model_types())
     rows = []
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, RankPool(args.world_size) as pool:

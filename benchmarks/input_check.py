@@ -4,7 +4,7 @@
 Measures, interleaved in one process pair so the machine's noise hits both alike:
 * a (1, 8) forward with and without `check_inputs` (medians over many runs), and the hook alone;
 * one decode step (a (1, 1) forward with a KV cache of 8) with and without it.
-Target (issue: "under 2% of a (1, 8) forward"): the hook's median time / the forward's median time.
+Target: under 2% of a (1, 8) forward, as the hook's median time / the forward's median time.
 
     python benchmarks/input_check.py [--runs 30] [--json out.json]
 """

@@ -1,6 +1,6 @@
 """Time `tpmap lint` per mapping file, after imports: ``python benchmarks/lint.py [PATH ...]``.
 
-Target (issue 3): under 0.1 s per file, so that 100+ mappings lint in seconds. Per file it reports
+Target: under 0.1 s per file, so that 100+ mappings lint in seconds. Per file it reports
 the schema phase (YAML + pydantic) and the structural phase (meta-device models, plans at every
 declared world size, coverage, pairing), for a first pass (transformers still imports each model
 type's modeling module on first use) and for the best of three later passes. The imports counted

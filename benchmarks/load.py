@@ -17,7 +17,7 @@ its wall time and CPU time (user + system, all its threads: the machine may be s
 memory-mapped read, transformers' way, shows up as file-backed RSS instead) and the bytes of the
 tensors it keeps.
 
-Target (issue 8): peak growth <= 1.15 x kept + a fixed allowance (ALLOWANCE_MIB: the interpreter's own
+Target: peak growth <= 1.15 x kept + a fixed allowance (ALLOWANCE_MIB: the interpreter's own
 churn while loading, measured on a tiny checkpoint). `--whole-conversions` measures tpmap's fallback for
 conversions it cannot slice lazily (forced on for every converted tensor). The checkpoints (~2 GB
 each) are deleted afterwards unless --keep.

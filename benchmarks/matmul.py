@@ -1,6 +1,6 @@
 """Matrix multiplies per rank against the unsharded model's divided by the world size, op by op.
 
-Issue 11's target: each rank's matrix multiplies within 10% of the unsharded time / ws. This profiles the
+Target: each rank's matrix multiplies within 10% of the unsharded time / ws. This profiles the
 forward of a Llama-shaped 160M model (latency.py's) on every rank, unsharded and tpmap interleaved, with
 torch.profiler, and sums the self time of the matrix-multiply kernels (`aten::mm`, `aten::addmm`,
 `aten::bmm`), grouped by input shapes so that each projection's sharded product is set beside its unsharded
