@@ -43,7 +43,7 @@ def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
 
 
 def features(mapping) -> list[str]:
-    """The schema features a mapping uses, in the README's terms."""
+    """The schema features a mapping uses, in the terms of docs/mapping-schema.md."""
     out: dict[str, None] = {}
     for e in mapping.entries:
         out[e.kind] = None

@@ -90,7 +90,7 @@ def input_check(model: nn.Module, group):
 
     def hook(module, args, kwargs):
         if hook.paused or torch.compiler.is_compiling():  # compiled: the fingerprint reads values into
-            return  # Python floats, a graph break each; compiled forwards go unchecked (README, "torch.compile")
+            return  # Python floats, a graph break each; compiled forwards go unchecked (docs/training.md, "torch.compile")
         _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if module.training else None,
                               group)
 

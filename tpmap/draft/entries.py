@@ -189,7 +189,7 @@ def translate_plan(plan: dict[str, str], analysed: list[Entry], base) -> tuple[l
                          "with a Reduce entry, as mappings/mixtral.yaml does; until then the experts stay whole")
         elif not style.startswith("embedding"):  # embedding_*: the vocabulary split is vocab_parallel
             notes.append(f"TODO: base_model_tp_plan: {key} is {style}, which has no direct tpmap kind "
-                         "(see the README's long tail: Param, Reduce, Enter, Input, Norm); kept whole")
+                         "(see docs/mapping-schema.md, the long tail: Param, Reduce, Enter, Input, Norm); kept whole")
     untouched = {e.module for e in analysed if not any(n in decided for n in match_modules(e.module, names))}
     for e in analysed:
         if e.module in untouched and e.kind != "whole":

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from tpmap.spec.errors import Position, TpmapError
 
-# rule id -> what it checks (the README's table lists the same ids with an example each)
+# rule id -> what it checks (docs/lint.md's table lists the same ids with an example each)
 RULES: dict[str, str] = {
     "yaml-syntax": "the file is valid YAML (spaces, not tabs, for indentation) with string keys",
     "duplicate-key": "no key appears twice in one mapping",
