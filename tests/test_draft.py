@@ -9,6 +9,10 @@ import pytest
 import transformers
 
 from tpmap import draft, verify
+from tpmap.draft.analysis import blocks_of
+from tpmap.draft.config import build_meta, model_class, tiny_model
+from tpmap.draft.entries import analysis_entries, attribute_candidates
+from tpmap.draft.render import scalar
 from tpmap.spec import source
 from tpmap.spec.errors import DraftError
 from tpmap.lint import lint_file
@@ -85,7 +89,7 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                                                                       "switch_transformers"])
 def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
     if model_type in DRAFTER_REFUSES:  # a clear DraftError, never a broken file
-        with pytest.raises(draft.DraftError, match=DRAFTER_REFUSES[model_type]):
+        with pytest.raises(DraftError, match=DRAFTER_REFUSES[model_type]):
             draft.draft(model_type)
         return
     text = draft.draft(model_type)
@@ -107,7 +111,7 @@ def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
 def test_values_render_as_yaml_that_reads_back_the_same(value):
     import yaml
 
-    assert yaml.safe_load(draft.scalar(value)) == value
+    assert yaml.safe_load(scalar(value)) == value
 
 
 def entry_notes(text: str, module: str) -> str:
@@ -136,7 +140,7 @@ def test_fused_gate_up_and_unequal_qkv_get_todos():
     wi = entry_notes(text, "layers.*.mlp.Wi")
     assert "TODO" in wi and "gate | up" in wi
     model = build("phi3", num_key_value_heads=4)  # qkv_proj registered after o_proj: order does not matter
-    entries, _ = draft.analysis_entries(draft.blocks_of(model.model), 96, model.config, names(model.model))
+    entries, _ = analysis_entries(blocks_of(model.model), 96, model.config, names(model.model))
     qkv = next(e for e in entries if e.module == "layers.*.self_attn.qkv_proj")
     assert qkv.kind == "Column" and qkv.fields["combined_qkv"] and "TODO" in qkv.notes[0]
     assert [s["heads"] for s in qkv.fields["sections"]] == ["num_attention_heads", "num_key_value_heads",
@@ -145,9 +149,9 @@ def test_fused_gate_up_and_unequal_qkv_get_todos():
 
 
 def build(model_type: str, **overrides):
-    _, tiny, _, _, _ = draft.tiny_model(model_type)
+    _, tiny, _, _, _ = tiny_model(model_type)
     config = transformers.AutoConfig.for_model(model_type, **{**tiny, **overrides})
-    return draft.build_meta(draft.model_class(model_type, config), config)
+    return build_meta(model_class(model_type, config), config)
 
 
 def names(base) -> list[str]:
@@ -179,7 +183,7 @@ def test_updates_hold_on_the_default_config_too():
                                  "split_size": "n_embd // tp_size"}
     model = build("phi3")
     attention = model.model.layers[0].self_attn  # reads self.config.num_attention_heads in forward
-    found = draft.attribute_candidates(attention, {12: ["num_attention_heads // tp_size"]})
+    found = attribute_candidates(attention, {12: ["num_attention_heads // tp_size"]})
     assert found["config.num_attention_heads"] == ["num_attention_heads // tp_size"]
 
 
