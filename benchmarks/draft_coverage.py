@@ -68,7 +68,8 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
         return "fails verify", f"the verify config builds {size:,} parameters, more than {MAX_PARAMETERS:,}: not run"
     if world_size not in spec.world_sizes:
         return "fails verify", f"the draft's verify world sizes {spec.world_sizes} lack {world_size}"
-    case = verify.Case(str(path), model_type, 0, spec.name, spec.models[0], world_size)
+    case = verify.Case(ref=str(path), model_type=model_type, verify_index=0, config_name=spec.name,
+                       class_name=spec.models[0], world_size=world_size)
     try:
         result = verify.judge(case, pool.run(verify.forward_case, case.ref, 0, case.class_name, timeout=timeout))
     except RankFailure as e:

@@ -69,7 +69,7 @@ def _token_wise() -> tuple:
     return (nn.Linear, Conv1D)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SequencePlan:
     blocks: tuple[str, ...]  # full names of the repeated blocks, in order
     ends: tuple[tuple[str, str], ...]  # (first block, last block) of each stack
@@ -205,8 +205,9 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
                 continue  # already summed over the ranks, or this rank's items of a split ModuleList
             grad_allreduce.append(name)
     closed_rows = tuple(r for r in rows if any(r.startswith(c + ".") for c in closed))
-    return SequencePlan(tuple(blocks), ends, tuple(sorted(parents)), tuple(columns),
-                        tuple(r for r in rows if r not in closed_rows), tuple(grad_allreduce), tuple(whole), closed_rows)
+    return SequencePlan(blocks=tuple(blocks), ends=ends, parents=tuple(sorted(parents)), columns=tuple(columns),
+                        rows=tuple(r for r in rows if r not in closed_rows), grad_allreduce=tuple(grad_allreduce),
+                        whole=tuple(whole), closed_rows=closed_rows)
 
 
 def _index(block: str) -> int:

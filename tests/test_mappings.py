@@ -47,7 +47,8 @@ CASES = _cases()
 @pytest.mark.parametrize("ref,index,cls,ws,training,generate", CASES)
 def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, generate):
     per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, cls, training, generate)
-    case = verify.Case(ref, ref, index, verify.resolve(ref).mapping.verify[index].name, cls, ws)
+    case = verify.Case(ref=ref, model_type=ref, verify_index=index,
+                       config_name=verify.resolve(ref).mapping.verify[index].name, class_name=cls, world_size=ws)
     result = verify.judge(case, [r["forward"] for r in per_rank])
     assert result.passed, result.error
     assert result.params_local < result.params_full  # the model really got smaller on each rank

@@ -191,7 +191,7 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-@dataclass
+@dataclass(kw_only=True)
 class Case:
     ref: str  # model type or mapping file
     model_type: str
@@ -201,7 +201,7 @@ class Case:
     world_size: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
     case: Case
     passed: bool
@@ -222,7 +222,8 @@ def cases(refs, world_sizes=None) -> list[Case]:
             for ws in spec.world_sizes:
                 if world_sizes and ws not in world_sizes:
                     continue
-                out.extend(Case(ref, mapping.model_type, i, spec.name, cls, ws) for cls in spec.models)
+                out.extend(Case(ref=ref, model_type=mapping.model_type, verify_index=i, config_name=spec.name,
+                                   class_name=cls, world_size=ws) for cls in spec.models)
     return out
 
 
@@ -235,8 +236,9 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
         problems.append("output shape differs from the unsharded model")
     if not rel <= RTOL:  # also catches NaN
         problems.append(f"max|diff| {worst:.3g} is {rel:.3g} of max|output| {scale:.3g} (> {RTOL:g})")
-    return Result(case, not problems, worst, rel, per_rank[0]["params_local"], per_rank[0]["params_full"],
-                  "; ".join(problems), per_rank[0].get("collectives"))
+    return Result(case=case, passed=not problems, max_diff=worst, rel_diff=rel, params_local=per_rank[0]["params_local"],
+                  params_full=per_rank[0]["params_full"], error="; ".join(problems),
+                  collectives=per_rank[0].get("collectives"))
 
 
 def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False) -> list[Result]:
@@ -254,9 +256,9 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool 
                     per_rank = pool.run(forward_case, *args, timeout=timeout) if pool else [forward_case(*args)]
                     res = judge(case, per_rank)
                 except RankFailure as e:
-                    res = Result(case, False, error=str(e) if verbose else e.summary())
+                    res = Result(case=case, passed=False, error=str(e) if verbose else e.summary())
                 except Exception as e:  # world size 1 runs here: report it like a rank failure
-                    res = Result(case, False, error=f"{type(e).__name__}: {e}")
+                    res = Result(case=case, passed=False, error=f"{type(e).__name__}: {e}")
                 results.append(res)
                 log(_row(res, time.monotonic() - t0))
         finally:

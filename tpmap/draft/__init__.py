@@ -82,8 +82,9 @@ def draft(model_type: str) -> str:
     header = [f"Draft by `tpmap draft {model_type}` (transformers {transformers.__version__}): from {source} of "
               f"{cls.__name__}, built on the meta device from the tiny config under verify. A start, not a proof: "
               "resolve the TODOs, then `tpmap lint FILE` and `tpmap verify FILE`."]
-    d = Draft(model_type, cls.__name__, overrides, split, [e for e in entries if e.kind == "whole"],
-              grad_allreduce, vocab, header, notes + update_notes + vocab_notes, patch)
+    d = Draft(model_type=model_type, model_class=cls.__name__, config=overrides, entries=split,
+              whole=[e for e in entries if e.kind == "whole"], grad_allreduce=grad_allreduce, vocab_parallel=vocab,
+              header=header, notes=notes + update_notes + vocab_notes, default_config=patch)
     d.verify_world_sizes = supported_world_sizes(model, d.load(), [1, 2, 3, 4]) or [1]
     d.world_sizes = supported_world_sizes(default, d.load(), WORLD_SIZES) if default is not None else []
     if not d.world_sizes:

@@ -67,7 +67,7 @@ def render_entry(entry: Entry) -> list[str]:
     return lines
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Draft:
     model_type: str
     model_class: str
