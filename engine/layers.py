@@ -10,10 +10,9 @@ import dis
 import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-import torch.distributed as dist
 
 from tpmap.engine import rng
 from tpmap.engine.collectives import (
@@ -151,7 +150,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     @classmethod
     def replacing(cls, source: nn.Embedding, weight: nn.Parameter, *, vocab_start: int, vocab_end: int,
-                  group) -> "VocabParallelEmbedding":
+                  group) -> VocabParallelEmbedding:
         """A vocab-parallel copy of `source` holding `weight` (rows [vocab_start, vocab_end)). Only reads
         `source`: its parameter, buffer and hook containers are copied, never changed."""
         if source.max_norm is not None:

@@ -13,7 +13,7 @@ tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 Pieces = tuple[tuple[int, int], ...]
 # raise_error(message, key) -> an exception: the caller locates it in the mapping file

@@ -31,6 +31,7 @@ from tpmap.spec.patterns import match_entry, match_modules, suggest_module
 from tpmap.spec.schema import Column, Enter, Input, Norm, Param, Reduce, Row, Update, config_matches
 from tpmap.spec.source import LoadedMapping
 
+
 def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
     base = getattr(model, "base_model", model)
     if base is model:

@@ -274,12 +274,12 @@ class SequenceState:
     def enter_block(self, module, args, kwargs):
         if self.active and module.training:  # this rank's tokens: their own dropout masks
             rng.enter_sharded_region(dist.get_rank(self.group), _device(module))
-        return None
+        return
 
     def leave_block(self, module, args, output):
         if self.active and module.training:
             rng.leave_sharded_region()
-        return None
+        return
 
     def gather_last_output(self, stack: int):
         def hook(module, args, output):

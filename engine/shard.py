@@ -15,8 +15,8 @@ into the full tensor.
 from __future__ import annotations
 
 import copy
-import weakref
 import types
+import weakref
 
 import torch
 import torch.distributed as dist

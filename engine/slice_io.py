@@ -22,7 +22,7 @@ through safetensors' mmap `get_slice` grew the file-backed RSS by 128 MiB; its p
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

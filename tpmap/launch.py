@@ -112,7 +112,7 @@ class RankPool:
             p.join(5)
         self._procs = []
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc) -> None:

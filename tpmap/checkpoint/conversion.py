@@ -28,11 +28,11 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import take
 from tpmap.engine.slice_io import Scratch, read_local, read_whole
-
-from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
 from tpmap.spec.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

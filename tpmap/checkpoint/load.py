@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from tpmap.engine import planner
-from tpmap.engine.sequence_plan import plan_sequence_parallel
-from tpmap.engine.shard import take
 
 from tpmap import api
 from tpmap.checkpoint import conversion
 from tpmap.checkpoint.safetensors import Checkpoint
+from tpmap.engine import planner
+from tpmap.engine.sequence_plan import plan_sequence_parallel
+from tpmap.engine.shard import take
 from tpmap.spec.errors import CheckpointError, LoadError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way

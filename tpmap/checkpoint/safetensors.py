@@ -52,12 +52,12 @@ class SafetensorsFile:
     path: Path
     size: int
     data_start: int
-    tensors: dict[str, "StoredTensor"]
+    tensors: dict[str, StoredTensor]
     bytes_read: int = 0
     _fd: int | None = None
 
     @classmethod
-    def parse(cls, path: Path) -> "SafetensorsFile":
+    def parse(cls, path: Path) -> SafetensorsFile:
         """Read and check the header: JSON, dtypes, offsets that match the shapes and fit in the file."""
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -160,14 +160,14 @@ class Checkpoint:
         for f in self.files:
             f.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     @classmethod
-    def open(cls, path, variant: str | None = None) -> "Checkpoint":
+    def open(cls, path, variant: str | None = None) -> Checkpoint:
         folder = Path(path)
         if not folder.is_dir():
             if folder.is_file():
@@ -193,7 +193,7 @@ class Checkpoint:
                               f"{', '.join(present) or 'nothing'}")
 
     @classmethod
-    def _sharded(cls, folder: Path, index: Path) -> "Checkpoint":
+    def _sharded(cls, folder: Path, index: Path) -> Checkpoint:
         try:
             content = json.loads(index.read_text())
         except ValueError as e:

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from tpmap.engine.shard import full_tensor
 
 from tpmap.api import PLAN_ATTR, group_of
 from tpmap.checkpoint.safetensors import (
@@ -28,6 +27,7 @@ from tpmap.checkpoint.safetensors import (
     SafetensorsWriter,
     with_variant,
 )
+from tpmap.engine.shard import full_tensor
 
 _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process")
 

@@ -208,7 +208,7 @@ class Keys:
     head_dim: str | None = None
 
     @classmethod
-    def of(cls, config, near: str) -> "Keys":
+    def of(cls, config, near: str) -> Keys:
         """The keys of each kind, preferring the one at its tiny value (a config may keep its defaults)."""
         return cls(config, near, *(pick_key(config, kind, near) for kind in ("heads", "kv_heads", "hidden", "head_dim")))
 

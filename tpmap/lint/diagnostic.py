@@ -51,11 +51,11 @@ class Diagnostic:
     severity: str = "error"
 
     @classmethod
-    def at(cls, position: Position, rule: str, message: str) -> "Diagnostic":
+    def at(cls, position: Position, rule: str, message: str) -> Diagnostic:
         return cls(position.path, position.line, position.col, rule, message)
 
     @classmethod
-    def from_error(cls, error: TpmapError, prefix: str = "") -> "Diagnostic":
+    def from_error(cls, error: TpmapError, prefix: str = "") -> Diagnostic:
         """From an error that carries a position and a rule (MappingError, engine.planner errors)."""
         assert error.position is not None and error.rule is not None, f"unlocated error: {error}"
         assert error.rule in RULES, error.rule

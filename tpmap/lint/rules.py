@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 import transformers
 from torch import nn

@@ -19,7 +19,7 @@ heads per KV head on one rank (Llama's ``num_key_value_groups``), also when KV h
 from __future__ import annotations
 
 import ast
-from typing import Callable
+from collections.abc import Callable
 
 from tpmap.spec.errors import DivisibilityError, TpmapError
 

@@ -38,7 +38,7 @@ but not ``h.0.attn.inner.c_attn``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -74,9 +74,9 @@ def _check_attribute_path(key: str) -> str:
     return key
 
 
-Expr = Annotated[Union[StrictInt, str], Field(description="integer expression, see tpmap.expr")]
+Expr = Annotated[StrictInt | str, Field(description="integer expression, see tpmap.expr")]
 # checked where it stands, so that an error points at the very value (an Update attribute)
-CheckedExpr = Annotated[Union[StrictInt, str], AfterValidator(_check_expr),
+CheckedExpr = Annotated[StrictInt | str, AfterValidator(_check_expr),
                         Field(description="integer expression, see tpmap.expr")]
 AttributePath = Annotated[str, AfterValidator(_check_attribute_path)]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=65536)]
@@ -367,7 +367,7 @@ class Norm(_Layout, _Entry):
         return self
 
 
-Entry = Annotated[Union[Column, Row, Update, Param, Reduce, Enter, Input, Norm], Field(discriminator="kind")]
+Entry = Annotated[Column | Row | Update | Param | Reduce | Enter | Input | Norm, Field(discriminator="kind")]
 KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
                 for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
 
@@ -468,7 +468,7 @@ class Mapping(_Strict):
     unsupported: list[Unsupported] = Field(
         [], description="config variants refused by apply and lint, each with its reason"
     )
-    replicated: list[Union[Pattern, KeptWhole]] = Field(
+    replicated: list[Pattern | KeptWhole] = Field(
         [], description="modules kept whole on every rank on purpose (read by `tpmap lint` coverage): a pattern "
         "for a module replicated by design (a router), or {module, reason} for a block a complete mapping would "
         "split (the mapping is then partial and `tpmap.apply` warns naming it)"

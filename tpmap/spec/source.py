@@ -183,7 +183,7 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
         if e.context and e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
             # e.g. an unclosed {...}: the parser notices lines later; say where the construct began
             problem += f" ({e.context} that starts at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
-        if "\t" in text and "tab" in problem.lower() or "found character '\\t'" in problem:
+        if ("\t" in text and "tab" in problem.lower()) or "found character '\\t'" in problem:
             problem += "; indent with spaces, YAML does not allow tabs"
         raise MappingErrors([MappingError(f"YAML syntax error: {problem}", pos, "yaml-syntax")]) from None
     if node is None:
@@ -203,9 +203,7 @@ def _data_loc(data: Any, loc: tuple) -> tuple:
     out: tuple = ()
     cur = data
     for part in loc:
-        if isinstance(cur, dict) and part in cur:
-            out, cur = out + (part,), cur[part]
-        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+        if (isinstance(cur, dict) and part in cur) or (isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)):
             out, cur = out + (part,), cur[part]
         elif isinstance(cur, dict) or isinstance(cur, list):
             # an unknown or missing key below cur, or a union tag: keep a missing/unknown key name
