@@ -2,7 +2,7 @@
 
 One `Planner` holds the planning state (the model's modules, which entry claimed which tensor, the
 results so far, the errors when collecting); each entry kind is planned by one method below, in the
-order of `tpmap.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
+order of `tpmap.spec.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
 a tensor's data; `engine.shard` executes the plan.
 """
 from __future__ import annotations

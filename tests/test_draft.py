@@ -210,12 +210,12 @@ def test_cli_writes_the_draft(tmp_path):
 
 
 def test_a_model_that_does_not_build_is_a_draft_error_naming_its_error(monkeypatch):
-    import tpmap.lint.rules
+    import tpmap.draft.config
 
     def fails(cls, config):
         raise RuntimeError("a constructor that fails")
 
-    monkeypatch.setattr(tpmap.lint.rules, "build_meta", fails)
+    monkeypatch.setattr(tpmap.draft.config, "build_meta_model", fails)
     with pytest.raises(DraftError, match="building MistralForCausalLM from the tiny config failed: RuntimeError: "
                                          "a constructor that fails"):
         draft.draft("mistral")

@@ -74,7 +74,7 @@ def large_init_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> Non
 def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int = 10, seed: int = 1,
                    pad: int = 3) -> dict:
     """Example inputs for `model`, following its class, plus the `declared` ones (a verify config's
-    ``inputs``: name -> `tpmap.schema.ExampleInput`), which add to or replace the derived ones by name.
+    ``inputs``: name -> `tpmap.spec.schema.ExampleInput`), which add to or replace the derived ones by name.
 
     Derived: when the main input (``model.main_input_name``) is ``input_ids``, `batch` sequences of
     `seq` token ids in [3, vocab_size) and an ``attention_mask`` whose last row is right-padded by
