@@ -119,7 +119,8 @@ class ColumnParallelEmbedding(_TPModule):
         super().__init__(group)
         self.weight = weight
         self.padding_idx, self.max_norm = source.padding_idx, source.max_norm
-        self.norm_type, self.scale_grad_by_freq, self.sparse = source.norm_type, source.scale_grad_by_freq, source.sparse
+        self.norm_type, self.scale_grad_by_freq, self.sparse = (source.norm_type, source.scale_grad_by_freq,
+                                                               source.sparse)
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids):  # (...) -> (..., dim/ws)

@@ -3,8 +3,9 @@
 The plan says, for every rank, which pieces of every sharded parameter it holds, which modules get
 which parallel behaviour, and which attributes change to which per-rank values. `engine.planner`
 builds it and checks everything while doing so (patterns match, parameters are claimed once, sizes
-divide, attributes exist); executing it (`engine.shard`) then cannot fail on user input. The same pieces drive slicing a full tensor,
-loading a rank's slice from a checkpoint, and gathering shards back into a full tensor.
+divide, attributes exist); executing it (`engine.shard`) then cannot fail on user input. The same
+pieces drive slicing a full tensor, loading a rank's slice from a checkpoint, and gathering shards
+back into a full tensor.
 
 Pieces: ``pieces[r]`` is a tuple of ``(start, length)`` ranges along ``dim`` of the full tensor; the
 rank's local tensor is their concatenation, in order. A fused [q|k|v] weight at tp_size 2 with 4
@@ -141,10 +142,12 @@ class Plan:
         for t in self.tensors:
             ranks = range(self.tp_size) if rank is None else [rank]
             if t.partial:
-                rows.append((t.name, "param partial", _shape(t.full_shape), "-", _shape(t.full_shape), "rank 0; zeros elsewhere"))
+                rows.append((t.name, "param partial", _shape(t.full_shape), "-", _shape(t.full_shape),
+                             "rank 0; zeros elsewhere"))
                 continue
             pieces = " | ".join(f"r{r}:" + ",".join(f"{s}:{n}" for s, n in t.pieces[r]) for r in ranks)
-            rows.append((t.name, f"param {t.holder}", _shape(t.full_shape), str(t.dim), _shape(t.local_shape(0)), pieces))
+            rows.append((t.name, f"param {t.holder}", _shape(t.full_shape), str(t.dim), _shape(t.local_shape(0)),
+                         pieces))
         for name in self.reduces:
             rows.append((name, "reduce", "", "-", "", "output all-reduced"))
         for name in self.enters:

@@ -359,8 +359,8 @@ class Planner:
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules")
-            self.tensors.append(ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces, replicated_heads=replicated,
-                                           holder=holder))
+            self.tensors.append(ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces,
+                                           replicated_heads=replicated, holder=holder))
 
     # -- Reduce ------------------------------------------------------------------------------------
     def reduce(self, entry: Reduce, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -454,7 +454,8 @@ class Planner:
         head = model.get_output_embeddings() if spec.lm_head else None
         if spec.embedding and not isinstance(emb, nn.Embedding):
             raise ModuleKindError(f"vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() is "
-                                  f"{type(emb).__name__}, not an nn.Embedding; set embedding: false", pos, "module-kind")
+                                  f"{type(emb).__name__}, not an nn.Embedding; set embedding: false", pos,
+                                  "module-kind")
         if head is not None and not isinstance(head, nn.Linear):
             raise ModuleKindError(f"vocab_parallel.lm_head: the output embedding is a {type(head).__name__}, not an "
                                   "nn.Linear; set lm_head: false", pos, "module-kind")
@@ -566,8 +567,9 @@ def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: li
         p.fail(e)
     kept_whole = ((k.module, k.reason, len(match_modules(k.module, p.names))) for k in loaded.mapping.kept_whole)
     return Plan(model_type=loaded.mapping.model_type, tp_size=tp_size, base_prefix=p.prefix, modules=tuple(p.shards),
-                updates=tuple(p.updates), source=loaded.source.path, grad_allreduce=tuple(dict.fromkeys(grad_allreduce)),
-                tensors=tuple(p.tensors), reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
+                updates=tuple(p.updates), source=loaded.source.path,
+                grad_allreduce=tuple(dict.fromkeys(grad_allreduce)), tensors=tuple(p.tensors),
+                reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
                 kept_whole=tuple(k for k in kept_whole if k[2]))
 
 

@@ -196,7 +196,7 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
     grad_allreduce = []
     params = plan.params
     for block in blocks:
-        for rel, p in model.get_submodule(block).named_parameters():
+        for rel, _ in model.get_submodule(block).named_parameters():
             name = f"{block}.{rel}"
             shard = params.get(name)
             if shard is not None and (shard.dim is not None or shard.partial):

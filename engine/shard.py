@@ -71,8 +71,8 @@ def full_tensor(local: torch.Tensor, shard: ParamShard, group=None, dst: int | N
         dist.all_gather(parts, local.detach().contiguous(), group=group)
     else:
         parts = [torch.empty_like(local) for _ in range(len(shard.pieces))] if rank == dst else None
-        dist.gather(local.detach().contiguous(), parts, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                    group=group)
+        dist.gather(local.detach().contiguous(), parts,
+                    dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
         if rank != dst:
             return None
     return assemble(parts, shard)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 
@@ -116,7 +117,7 @@ def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.d
         return out
     item = out.element_size()
     todo = runs(shard.full_shape, dim, pieces, local_dim)
-    gap = max((b[0] - a[0] - a[2] for a, b in zip(todo, todo[1:])), default=0) * item
+    gap = max((b[0] - a[0] - a[2] for a, b in pairwise(todo)), default=0) * item
     row_bytes = math.prod(shard.full_shape[dim:]) * item
     if len(todo) > 1 and gap < GAP_BYTES and row_bytes <= BLOCK_BYTES:
         _read_in_blocks(read_into, shard.full_shape, dim, pieces, out, scratch)

@@ -89,8 +89,10 @@ def input_check(model: nn.Module, group):
     positional = _positional_names(model.forward)
 
     def hook(module, args, kwargs):
-        if hook.paused or torch.compiler.is_compiling():  # compiled: the fingerprint reads values into
-            return  # Python floats, a graph break each; compiled forwards go unchecked (docs/training.md, "torch.compile")
+        # compiled: the fingerprint reads values into Python floats, a graph break each; compiled forwards
+        # go unchecked (docs/training.md, "torch.compile")
+        if hook.paused or torch.compiler.is_compiling():
+            return
         _compare_across_ranks(_tensors(args, kwargs, positional), torch.get_rng_state() if module.training else None,
                               group)
 

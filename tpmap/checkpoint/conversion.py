@@ -195,7 +195,8 @@ class Reader:
             if how == "all":
                 part = read_whole(stored.read_into, stored.shape, stored.dtype)
             else:
-                part = read_local(stored.read_into, ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim, pieces=(how,)), 0,
+                part = read_local(stored.read_into,
+                                  ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim, pieces=(how,)), 0,
                                   stored.dtype, self.scratch)
             parts.append(part.to(dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
@@ -222,8 +223,9 @@ class Reader:
                 self._outputs[other] = tensor
         result = out[name]
         if tuple(result.shape) != self.expected[name]:  # only possible when the shapes could not be checked on meta
-            raise CheckpointError(f"{source.where()}: converted to {name} with shape {list(result.shape)} but the model "
-                                  f"expects {list(self.expected[name])}; the config does not describe this checkpoint")
+            raise CheckpointError(f"{source.where()}: converted to {name} with shape {list(result.shape)} but the "
+                                  f"model expects {list(self.expected[name])}; the config does not describe "
+                                  "this checkpoint")
         return result
 
     def _warn_whole(self, name: str, source: Source) -> None:

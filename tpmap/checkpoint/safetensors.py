@@ -82,7 +82,8 @@ class SafetensorsFile:
                 continue
             dtype = DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
             if dtype is None:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype') if isinstance(info, dict) else info!r}, "
+                raise CheckpointError(f"{path}: tensor {name} has dtype "
+                                      f"{info.get('dtype') if isinstance(info, dict) else info!r}, "
                                       f"which tpmap does not read (supported: {', '.join(DTYPES)})")
             shape = tuple(info["shape"])
             begin, end = info["data_offsets"]
@@ -182,7 +183,7 @@ class Checkpoint:
         if index.is_file():
             return cls._sharded(folder, index)
         present = sorted(p.name for p in folder.iterdir())
-        pickles = [n for n in present if n.endswith((".bin", ".pt", ".pth", ".ckpt")) or n.endswith(".bin.index.json")]
+        pickles = [n for n in present if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".bin.index.json"))]
         if pickles:
             raise CheckpointError(
                 f"{folder} holds only PyTorch pickle weights ({', '.join(pickles[:3])}), no {single.name}: "

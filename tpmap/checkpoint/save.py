@@ -153,7 +153,8 @@ def _conversions(model: nn.Module):
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
-        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
     return conversions
 
 
@@ -199,7 +200,8 @@ def _assign_files(outputs: dict, weights_name: str, max_shard_size) -> dict[str,
 
     meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in outputs.items()}
     pattern = weights_name.replace(".safetensors", "{suffix}.safetensors")
-    return split_torch_state_dict_into_shards(meta, filename_pattern=pattern, max_shard_size=max_shard_size).tensor_to_filename
+    split = split_torch_state_dict_into_shards(meta, filename_pattern=pattern, max_shard_size=max_shard_size)
+    return split.tensor_to_filename
 
 
 def _gather(model: nn.Module, name: str, entry, plan, group) -> torch.Tensor | None:

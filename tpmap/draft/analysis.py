@@ -210,7 +210,8 @@ class Keys:
     @classmethod
     def of(cls, config, near: str) -> Keys:
         """The keys of each kind, preferring the one at its tiny value (a config may keep its defaults)."""
-        return cls(config, near, *(pick_key(config, kind, near) for kind in ("heads", "kv_heads", "hidden", "head_dim")))
+        return cls(config, near,
+                   *(pick_key(config, kind, near) for kind in ("heads", "kv_heads", "hidden", "head_dim")))
 
     def value(self, key: str | None) -> int | None:
         return None if key is None else self.config.to_dict().get(key)

@@ -1,4 +1,5 @@
-"""Steps 1 and 2 of a draft: the tiny config (sizes cut down by key name) and the model class, built on the meta device."""
+"""Steps 1 and 2 of a draft: the tiny config (sizes cut down by key name) and the model class, built
+on the meta device."""
 from __future__ import annotations
 
 import re
@@ -58,7 +59,8 @@ def tiny_overrides(default, reduce_layers: bool = True, widths: bool = True) -> 
             new = _token_id(key, value)
         elif isinstance(value, list) and reduce_layers and type(layers) is int and len(value) == layers > 2:
             new = value[:TINY["layers"]]
-        elif (type(value) is not int and not (value is None and kind in TINY and kind not in CAPPED)) or (kind == "layers" and not reduce_layers) or (not widths and (kind in WIDTH_KINDS or kind is None)):
+        elif ((type(value) is not int and not (value is None and kind in TINY and kind not in CAPPED))
+              or (kind == "layers" and not reduce_layers) or (not widths and (kind in WIDTH_KINDS or kind is None))):
             continue
         elif kind in CAPPED:
             new = min(value, TINY[kind])

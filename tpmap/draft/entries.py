@@ -292,7 +292,8 @@ def forward_source(module) -> str:
         return ""
 
 
-def update_entries(split: list[tuple[Block, Group]], config, stream: int, models: list) -> tuple[list[Entry], list[str]]:
+def update_entries(split: list[tuple[Block, Group]], config, stream: int,
+                   models: list) -> tuple[list[Entry], list[str]]:
     """One Update per module pattern, and notes for attributes left out. An attribute is updated when
     every module the pattern matches has it, with the first candidate expression that gives its full
     value on every model built (tiny and default config)."""
@@ -322,7 +323,7 @@ def holds(expression: str, pattern: str, path: str, models: list) -> bool:
         if not hits or not on_every(pattern, path, model):
             return False
         try:
-            value = expr.evaluate(expression, lambda n: getattr(model.config, n), 1)
+            value = expr.evaluate(expression, lambda n, model=model: getattr(model.config, n), 1)
         except (AttributeError, ValueError):  # a name this config lacks, an inexact division: not this one
             return False
         if any(resolve_attr(base.get_submodule(n), path)[2] != value for n in hits):

@@ -198,7 +198,8 @@ def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches
             where = (f"{generic_pattern(scope)}" if scope else "the base model outside the repeated blocks")
             if feeds_blocks:
                 where = f"the repeated blocks{' of ' + generic_pattern(scope) if scope else ''}"
-            shown_near = list(dict.fromkeys(f"{generic_pattern(w)} ({_kind(modules[w])})" for w in near))  # one per block kind
+            # one per block kind
+            shown_near = list(dict.fromkeys(f"{generic_pattern(w)} ({_kind(modules[w])})" for w in near))
             shown = ", ".join(shown_near[:3]) + (", ..." if len(shown_near) > 3 else "")
             if isinstance(entry, Column):
                 msg = (f"Column {generic_pattern(name)} leaves its output split, but no Row entry takes it: "
@@ -244,7 +245,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     report = _Report()
     if mapping.model_type not in transformers.CONFIG_MAPPING:
         report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
-                                 f"{mapping.model_type!r} is not a model_type of transformers {transformers.__version__}"
+                                 f"{mapping.model_type!r} is not a model_type of transformers "
+                                 f"{transformers.__version__}"
                                  f"{did_you_mean(mapping.model_type, transformers.CONFIG_MAPPING)}"))
         return report.items
     try:

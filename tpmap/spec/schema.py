@@ -376,7 +376,8 @@ class ExampleInput(_Strict):
     """One example input of a verify config: a tensor of this shape, filled according to its kind."""
     shape: list[CheckedExpr] = Field(
         min_length=1, description="dimensions, integer expressions over config attributes and `batch` / `seq` "
-        "(the batch size and sequence length of the derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
+        "(the batch size and sequence length of the derived inputs), "
+        "e.g. [batch, num_mel_bins, 2 * max_source_positions]"
     )
     kind: Literal["ids", "float", "mask"] = Field(
         "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "

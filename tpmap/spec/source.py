@@ -109,7 +109,8 @@ def _construct(node: yaml.Node, loc: tuple, src: SourceMap, errors: list[Mapping
                                              "wrong-type"))
             key = _scalar(key_node, src, loader)
             if not isinstance(key, (str, int, float, bool)) or key is None:
-                errors.append(MappingError(f"mapping key {key!r} must be a string", _pos(src.path, key_node), "yaml-syntax"))
+                errors.append(MappingError(f"mapping key {key!r} must be a string", _pos(src.path, key_node),
+                                           "yaml-syntax"))
                 continue
             if key in out:
                 first = src.keys[loc + (key,)]
@@ -182,7 +183,8 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
         problem = e.problem or "invalid YAML"
         if e.context and e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
             # e.g. an unclosed {...}: the parser notices lines later; say where the construct began
-            problem += f" ({e.context} that starts at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+            problem += (f" ({e.context} that starts at line {e.context_mark.line + 1}, "
+                        f"column {e.context_mark.column + 1})")
         if ("\t" in text and "tab" in problem.lower()) or "found character '\\t'" in problem:
             problem += "; indent with spaces, YAML does not allow tabs"
         raise MappingErrors([MappingError(f"YAML syntax error: {problem}", pos, "yaml-syntax")]) from None
@@ -203,9 +205,10 @@ def _data_loc(data: Any, loc: tuple) -> tuple:
     out: tuple = ()
     cur = data
     for part in loc:
-        if (isinstance(cur, dict) and part in cur) or (isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)):
+        if (isinstance(cur, dict) and part in cur) or (
+                isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)):
             out, cur = out + (part,), cur[part]
-        elif isinstance(cur, dict) or isinstance(cur, list):
+        elif isinstance(cur, (dict, list)):
             # an unknown or missing key below cur, or a union tag: keep a missing/unknown key name
             if isinstance(part, str) and part not in ENTRY_KINDS and not part.startswith(("int", "list", "str")):
                 out = out + (part,)
@@ -257,7 +260,8 @@ def _pydantic_errors(err: pydantic.ValidationError, data: Any, src: SourceMap) -
                 msg = f"entry has no 'kind'; choose one of {', '.join(ENTRY_KINDS)}"
                 pos = src.value(loc)
             else:
-                msg = f"unknown entry kind {tag!r}{did_you_mean(str(tag), ENTRY_KINDS)}; valid kinds: {', '.join(ENTRY_KINDS)}"
+                msg = (f"unknown entry kind {tag!r}{did_you_mean(str(tag), ENTRY_KINDS)}; "
+                       f"valid kinds: {', '.join(ENTRY_KINDS)}")
                 pos = src.value(loc + ("kind",))
             out.append(MappingError(msg, pos, "unknown-kind"))
         else:
