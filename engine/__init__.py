@@ -1,7 +1,16 @@
 """tpmap's generic engine (installed as ``tpmap.engine``): plan, slice, replace, communicate.
 
-* `plan`        -- mapping + model structure -> pure-data plan (checks everything, touches no tensor)
-* `shard`       -- execute a plan on one rank (slice tensors, swap modules, set attributes)
-* `layers`      -- the parallel modules (Column/Row linear, Column embedding)
-* `collectives` -- autograd collectives in Megatron's named pairs
+It reads the mapping language (`tpmap.spec`), torch and transformers, and nothing else of tpmap.
+
+* `planner`       -- mapping + model structure -> a `plan.Plan` (checks everything, touches no tensor)
+* `plan`          -- the plan's data: what every rank holds and does
+* `pieces`        -- which (start, length) ranges of a split dim each rank holds
+* `shard`         -- execute a plan on one rank (slice tensors, swap modules, set attributes, hooks)
+* `layers`        -- the parallel modules (Column/Row linear, Column and vocab-parallel embedding, norms)
+* `collectives`   -- autograd collectives in Megatron's named forward/backward pairs
+* `rng`           -- dropout RNG regions
+* `loss`          -- the cross-entropy of vocabulary-sharded logits
+* `slice_io`      -- the byte runs of a rank's slice in a stored tensor (checkpoint reads)
+* `blocks`        -- the repeated blocks of a model
+* `sequence_plan` -- where sequence parallelism's collectives go; `sequence` -- its runtime hooks
 """
