@@ -26,6 +26,7 @@ from tpmap.spec.errors import (
     PartialMappingWarning,
     PatternMatchError,
     ProcessGroupError,
+    QuantizedCheckpointError,
     SequenceParallelError,
     TpmapError,
     UnknownModelTypeError,

@@ -32,7 +32,7 @@ from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
 from tpmap.engine.sequence_plan import plan_sequence_parallel
 from tpmap.engine.shard import take
-from tpmap.spec.errors import CheckpointError, LoadError
+from tpmap.spec.errors import CheckpointError, LoadError, QuantizedCheckpointError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
@@ -105,6 +105,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
 
     checkpoint = Checkpoint.open(folder, variant)
     config, cls, model_kwargs = _config_and_class(folder, model_class, kwargs, trust_remote_code)
+    _refuse_quantized(folder, config)
     for key, value in implementations.items():
         setattr(config, f"_{key}", value)
     config, dtype = hf_modeling._get_dtype("auto" if dtype is None else dtype, checkpoint.paths, config,
@@ -160,6 +161,24 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
                                    proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
                                    trust_remote_code=trust_remote_code, **kwargs)
     return (model, info.to_dict()) if output_loading_info else model
+
+
+def _refuse_quantized(folder: Path, config) -> None:
+    """A quantized checkpoint (FP8 blocks with their scales, int8/int4 with zero points, ...) read as plain
+    tensors loads without complaint and computes garbage: refuse every quantization method, naming it,
+    on every rank alike and before any collective."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    raise QuantizedCheckpointError(
+        f"{folder / 'config.json'} declares a quantization_config with quant_method {method!r}: its weights are "
+        "stored quantized (with scales), and tpmap.from_pretrained does not read quantized checkpoints yet, so "
+        "loading them as plain tensors would compute wrong results. Load it with transformers (which dequantizes or "
+        "runs it quantized) and shard that model with tpmap.apply, or save it unquantized (save_pretrained after "
+        "loading it in a float dtype) and load that folder with tpmap.from_pretrained")
 
 
 def _config_and_class(folder: Path, model_class, kwargs: dict, trust_remote_code):

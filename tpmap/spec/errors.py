@@ -16,6 +16,7 @@ __all__ = [
     "DraftError",
     "InputMismatchError",
     "LoadError",
+    "QuantizedCheckpointError",
     "LossParallelError",
     "MappingError",
     "MappingErrors",
@@ -141,6 +142,11 @@ class SequenceParallelError(TpmapError):
     """`sequence_parallel=True` was asked of a model whose blocks cannot run on sequence-split tokens (MoE
     experts and routers, SSM mixers, convolutions), or a forward broke its assumptions (hidden states that
     are not batch first)."""
+
+
+class QuantizedCheckpointError(CheckpointError):
+    """A checkpoint stores its weights quantized (config.json has a quantization_config) in a way tpmap
+    does not read: loading its tensors as plain ones would give wrong results, so it is refused."""
 
 
 class LoadError(TpmapError):
