@@ -1,7 +1,7 @@
-"""Wrong mappings are caught, one per long-tail feature the attention mappings of this branch rely on
-(Norm, Input, groups, when, Param on a weight and on a ModuleList): a copy of the shipped YAML with
-the feature removed or mis-stated, run through `tpmap verify`'s case on real ranks, fails by far more
-than the tolerance or errors. The shipped file itself passes the same case (tests/test_forward.py)."""
+"""Wrong mappings are caught, one per entry kind or feature that attention mappings rely on (Norm, Input,
+groups, when, Param on a weight and on a ModuleList): a copy of the shipped YAML with the feature removed
+or mis-stated, run through `tpmap verify`'s case on real ranks, fails by far more than the tolerance or
+errors. The shipped file itself passes the same case (tests/test_forward.py)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
-"""Hostile and broken mapping files: every one a located TpmapError (never a traceback, never a hang),
+"""Hostile and broken mapping files (alias bombs, huge numbers, deep nesting, unreadable paths, fuzzed
+edits of real mappings): every one a located TpmapError (never a traceback, never a hang),
 and `tpmap lint` exits 0 or 1 with diagnostics on anything a fuzzer makes of real mappings.
 
 The time bounds here are hang guards (seconds where a real run takes milliseconds), not speed targets.

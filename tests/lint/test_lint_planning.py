@@ -1,5 +1,6 @@
-"""engine.plan.build in collecting mode (what `tpmap lint` runs) agrees with raising mode (what
-`tpmap.apply` runs): same first problem, same plan when clean."""
+"""The planning `tpmap lint` runs: engine.plan.build in collecting mode agrees with raising mode (what
+`tpmap.apply` runs: same first problem, same plan when clean); expressions of entries that match
+nothing; the cut default config; a mapping's default_config patches."""
 from __future__ import annotations
 
 import pytest

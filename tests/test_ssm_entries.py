@@ -1,6 +1,6 @@
-"""The long-tail entries the SSM mappings (mamba, mamba2, jamba, falcon_mamba) rely on are needed:
-drop one from a copy of the shipped YAML and the comparison against the unsharded model fails, by a
-large difference or an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
+"""The entries the SSM mappings (mamba, mamba2, jamba, falcon_mamba) rely on are needed: drop one from a
+copy of the shipped YAML and the comparison against the unsharded model fails, by a large difference or
+an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
 
 * Param on a depthwise nn.Conv1d (its weight [C, 1, K] split by channel) and its sections (Mamba-2's
   conv over [x | B | C]);

@@ -1,5 +1,6 @@
-"""The long-tail features the MoE mappings rely on: each is needed, so a mapping without it is caught
-(a wrong forward, wrong gradients or an error), and the small engine fixes they needed."""
+"""The entries MoE and MLA mappings rely on (Param experts with sections, Reduce, partial, Norm, when,
+Enter, copy_input: false, grad_allreduce): each is needed, so a mapping without it is caught (a wrong
+forward, wrong gradients or an error); expressions over sub-configs; lint past a cut default config."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -89,6 +90,18 @@ def test_lint_accepts_entries_for_blocks_past_the_cut_default_config(tmp_path):
 
 # -- a mapping without the feature it relies on is caught -------------------------------------------
 DBRX = "dbrx"
+
+
+def test_moe_experts_without_their_reduce_are_caught(ranks, tmp_path):
+    """Each rank's experts output is a partial sum: without the Reduce the logits are wrong."""
+    text = loader.shipped_files()["mixtral"].read_text()
+    block = "  - kind: Reduce\n    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n"
+    assert block in text
+    path = tmp_path / "mixtral_no_reduce.yaml"
+    path.write_text(text.replace(block, ""))
+    case = verify.cases([str(path)], [2])[0]
+    result = verify.judge(case, ranks(2).run(verify.forward_case, case.ref, case.verify_index, case.class_name))
+    assert not result.passed and result.rel_diff > 1e-3, result
 
 
 def _forward(ranks, ref: str, world_size: int, verify_index: int = 0) -> verify.Result:
