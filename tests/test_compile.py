@@ -13,6 +13,8 @@ import pytest
 
 import compile_cases
 
+pytestmark = pytest.mark.full  # compiling takes minutes
+
 LLAMA = ("llama", "LlamaForCausalLM")
 TPMAP_FILES = ("/engine/", "/tpmap/")
 

@@ -21,6 +21,8 @@ import pytest
 
 import data_parallel_cases
 
+pytestmark = pytest.mark.full  # 4 ranks per test
+
 KV1 = {"num_key_value_heads": 1}  # one KV head at tp 2: replicated, its gradient summed over the tp group
 
 STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, bound)

@@ -56,6 +56,7 @@ def test_world_size_that_does_not_divide_the_heads():
     assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 5" in msg and "transformer.h.0.attn.c_attn" in msg
 
 
+@pytest.mark.full  # 3 ranks
 def test_world_size_that_does_not_divide_the_heads_on_real_ranks(ranks):
     """llama's kv2 config at world size 3: 2 KV heads and 3 ranks, neither divides the other."""
     result = ranks(3).run(rank_cases.apply_error, "llama", "LlamaForCausalLM", 3)

@@ -22,6 +22,7 @@ def test_a_crashing_rank_is_reported_with_its_traceback(ranks):
     assert pool.run(rank_cases.rank_and_size) == [(0, 2), (1, 2)]  # the pool starts afresh
 
 
+@pytest.mark.full  # 3 ranks
 def test_a_hanging_rank_is_reported_within_the_timeout(ranks):
     pool = ranks(3)
     t0 = time.monotonic()
@@ -110,6 +111,7 @@ def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     assert e.value.rule == "missing-key"
 
 
+@pytest.mark.full  # a verify subprocess starting its own ranks
 def test_verify_cli_runs_whisper_from_its_input_features():
     """Whisper needs input_features; verify used to feed input_ids only and report a mapping failure."""
     proc = _verify_cli("whisper", "-n", "2")

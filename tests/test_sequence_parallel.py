@@ -127,6 +127,7 @@ def test_encoder_split_decoder_not_in_one_backward(ranks, ref, cls):
         assert r["grad_vs_full"] <= GRAD_RTOL[torch.float32] and r["grad_vs_tp"] <= GRAD_RTOL[torch.float32], r
 
 
+@pytest.mark.full  # 4 ranks
 @pytest.mark.parametrize("case", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
                                   ("opt", "OPTForCausalLM")], ids=ids)
 def test_train_mode_and_checkpointing_keep_gradients_exact(ranks, case):

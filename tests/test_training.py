@@ -60,6 +60,7 @@ def ids(case):
     return f"{case[0]}-{case[2]}"
 
 
+@pytest.mark.full  # 4 ranks
 @pytest.mark.parametrize("case", [c for c in LM_CLASSES if c[0] in ("llama", "t5", "gpt2")], ids=ids)
 def test_gradient_checkpointing_keeps_gradients_exact(ranks, case):
     for r in ranks(4).run(rank_cases.grad_case, *case, True, torch.float64):
@@ -95,6 +96,7 @@ def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp
         assert r["worst_rel"] > 1e-2 and "_norm" in r["worst_name"], r
 
 
+@pytest.mark.full  # 4 ranks
 def test_sharded_region_rng_differs_per_rank_and_default_stream_stays_in_step(ranks):
     for r in ranks(4).run(rank_cases.rng_region_case):
         assert r == {"before": 1, "inside": 4, "after": 1}
