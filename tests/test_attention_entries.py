@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tpmap import loader, verify
+from tpmap import verify
 
-from test_forward import run_case
+from helpers import edited_copy, first_case, run_case
 
 # name: (model type, verify config name, world size, text to replace, replacement, what it shows)
 WRONG = {
@@ -76,11 +76,7 @@ NUMERIC = {"olmo2-norm-statistic-per-rank": 7e-2, "stablelm-no-norms-slice": 6e-
 
 def wrong_case(tmp_path, name: str) -> verify.Case:
     model_type, config_name, ws, old, new = WRONG[name]
-    text = loader.shipped_files()[model_type].read_text()
-    assert text.count(old) == 1, f"{name}: the text to replace is not in mappings/{model_type}.yaml once"
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text.replace(old, new))
-    return next(c for c in verify.cases([str(path)], [ws]) if c.config_name == config_name)
+    return first_case(edited_copy(tmp_path, name, model_type, old, new, once=True), ws, config_name=config_name)
 
 
 # the default tier keeps one case per feature (Norm, Param on a ModuleList, Input, groups); the others, most

@@ -17,8 +17,10 @@ from tpmap import loader
 from tpmap.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
 
+from helpers import edited, mapping_text
+
 SHIPPED = loader.shipped_files()
-LLAMA = SHIPPED["llama"].read_text()
+LLAMA = mapping_text("llama")
 
 
 def _alias_bomb(levels: int) -> str:
@@ -34,15 +36,15 @@ HOSTILE = {
     "5000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 5000 + "]\n", "5,000 characters"),
     "4000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 4000 + "]\nentries: []\nverify: []\n",
                            "less than or equal to 65536"),
-    "20000-term-expression": (LLAMA.replace("heads: num_attention_heads", "heads: " + "+".join(["1"] * 1500), 1),
+    "20000-term-expression": (edited("llama", "heads: num_attention_heads", "heads: " + "+".join(["1"] * 1500)),
                               "characters (limit 256)"),
     "deep-nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nesting deeper than 64"),
     "recursive-alias": ("a: &a [*a]\n", "nesting deeper than 64"),
     "non-string-key": ("? [a, b]\n: 1\n", "must be a plain string"),
     "bad-timestamp": ("model_type: 2001-13-45 10:00:00\n", "cannot read the value"),
-    "negative-update": (LLAMA.replace(
-        "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
-        "num_key_value_groups: 0 - 5"), None),  # schema-valid: caught at plan time, see below
+    "negative-update": (edited(
+        "llama", "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
+        "num_key_value_groups: 0 - 5", every=True), None),  # schema-valid: caught at plan time, see below
 }
 
 

@@ -12,6 +12,8 @@ from tpmap import draft, loader, verify
 from tpmap.errors import DraftError
 from tpmap.lint import lint_file
 
+from helpers import run_case
+
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
 # head-major fused qkv), BERT-style encoders (nested attention scopes, layer-shared weights),
 # encoder-decoders with cross attention, a text tower. Mappings for them ship now too, written by hand
@@ -37,11 +39,6 @@ def drafts(tmp_path_factory):
     return out
 
 
-def run(ranks, case: verify.Case) -> verify.Result:
-    return verify.judge(case, ranks(case.world_size).run(verify.forward_case, case.ref, case.verify_index,
-                                                         case.class_name))
-
-
 def test_at_least_15_plain_drafts_are_proven():
     """Most of these types ship hand-checked mappings by now; the drafter reads nothing of a shipped
     mapping but its default_config, which none of these has, so each draft is the drafter's own work."""
@@ -56,7 +53,7 @@ def test_a_plain_draft_verifies_unedited(ranks, drafts, model_type, world_size):
     """Forward on real gloo ranks against the unsharded model, the draft exactly as written."""
     cases = verify.cases([str(drafts[model_type])], [world_size])
     assert [c.world_size for c in cases] == [world_size], f"the draft claims no world size {world_size}"
-    result = run(ranks, cases[0])
+    result = run_case(ranks, cases[0])
     assert result.passed, result.error
     assert result.params_local < result.params_full  # something really was split
 

@@ -21,6 +21,7 @@ import torch
 from tpmap import verify
 
 import rank_cases
+from helpers import edited_copy, mapping_text
 
 from tpmap import loader
 
@@ -87,11 +88,8 @@ def test_dropout_keeps_replicated_activations_identical(ranks, case):
 
 def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp_path):
     """The declared feature is needed: drop it and the q/k norm gradients are partial sums."""
-    from tpmap import loader
-
-    text = loader.shipped_files()["qwen3"].read_text()
-    path = tmp_path / "qwen3_no_grad_allreduce.yaml"
-    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("grad_allreduce:")))
+    line = next(x for x in mapping_text("qwen3").splitlines() if x.startswith("grad_allreduce:"))
+    path = edited_copy(tmp_path, "qwen3_no_grad_allreduce", "qwen3", line + "\n", "", every=True)
     for r in ranks(2).run(rank_cases.grad_case, str(path), 0, "Qwen3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and "_norm" in r["worst_name"], r
 

@@ -12,6 +12,8 @@ from tpmap import loader
 from tpmap.engine import plan as planning
 from tpmap.errors import TpmapError
 
+from helpers import edited, edited_copy, mapping_text, replaced
+
 
 def tiny(model_type: str):
     spec = loader.for_model_type(model_type).mapping.verify[0]
@@ -20,13 +22,12 @@ def tiny(model_type: str):
 
 
 def broken_llama():
-    text = loader.shipped_files()["llama"].read_text()
+    text = mapping_text("llama")
     for old, new in [("module: layers.*.mlp.up_proj", "module: layers.*.mlp.upproj"),
                      ("heads: num_key_value_heads", "heads: num_kv_heads"),
                      ("    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true"),
                      ("num_key_value_groups: per_rank", "num_key_value_group: per_rank")]:
-        assert old in text
-        text = text.replace(old, new, 1)
+        text = replaced(text, old, new)
     return loader.load_text(text, "broken.yaml")
 
 
@@ -50,8 +51,8 @@ def test_clean_mapping_gives_the_same_plan_in_both_modes(model_type):
 
 
 def test_check_expressions_covers_entries_that_match_nothing():
-    text = loader.shipped_files()["gpt2"].read_text().replace(
-        "  - kind: Row\n    module: h.*.mlp.c_proj\n", "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n")
+    text = edited("gpt2", "  - kind: Row\n    module: h.*.mlp.c_proj\n",
+                  "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n", every=True)
     loaded = loader.load_text(text, "g.yaml")
     found = planning.check_expressions(tiny("gpt2").config, loaded)
     line = text.splitlines().index("    heads: n_heads") + 1
@@ -77,9 +78,8 @@ def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     from tpmap import loader
     from tpmap.lint import lint_file
 
-    text = loader.shipped_files()["dbrx"].read_text()
+    text = mapping_text("dbrx")
     assert lint_file(str(loader.shipped_files()["dbrx"])) == []
     line = next(x for x in text.splitlines() if x.startswith("default_config:"))
-    path = tmp_path / "dbrx.yaml"
-    path.write_text(text.replace(line + "\n", ""))
+    path = edited_copy(tmp_path, "dbrx", "dbrx", line + "\n", "", every=True)
     assert [d.rule for d in lint_file(str(path))] == ["model-build"]
