@@ -16,15 +16,15 @@ from helpers import run_case
 
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
 # head-major fused qkv), BERT-style encoders (nested attention scopes, layer-shared weights),
-# encoder-decoders with cross attention, a text tower. Mappings for them ship now too, written by hand
-# in parallel; the drafter reads nothing of a shipped mapping but its default_config, which none of these has.
+# encoder-decoders with cross attention, a text tower. Hand-written mappings for them ship too; the drafter
+# reads nothing of a shipped mapping but its default_config, which none of these has.
 PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta", "xlm-roberta", "camembert",
          "electra", "megatron-bert", "distilbert", "albert", "roformer", "deberta-v2", "mbart", "m2m_100",
          "clip_text_model"]
 # not plain: what the draft cannot split (MoE experts, a short-conv mixer) stays whole, flagged, and the
-# rest verifies unedited. Hand-written mappings for some of them ship by now; as for PLAIN, the drafter
-# reads nothing of those but a default_config, which the test checks they lack. xlm and ernie are not among
-# the 120 text architectures of issue 9 (they stay unmapped); they took the places of xlnet and rwkv.
+# rest verifies unedited. Hand-written mappings for some of them ship too; as for PLAIN, the drafter reads
+# nothing of those but a default_config, which the test checks they lack. xlm and ernie have no shipped
+# mapping.
 NOT_PLAIN = ["llama4_text", "glm4_moe", "ernie4_5_moe", "lfm2", "ernie", "xlm"]
 
 
