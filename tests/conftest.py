@@ -24,7 +24,7 @@ from tpmap.launch import RankPool
 # Families whose multi-rank tests run in the default tier: together they use every entry kind (Column,
 # Row, Update, Param, Reduce, Enter, Norm, Input) and every flag of MODELS.md's features column.
 REPRESENTATIVE = {
-    "llama",        # the plain decoder: GQA, KV heads fewer than ranks at world size 4
+    "llama",        # the plain decoder: grouped-query attention, a separate LM head
     "gpt2",         # Conv1D: reverse, combined_qkv; tied embedding and LM head
     "bert",         # encoder; heads for masked LM, sequence classification and the bare model
     "t5",           # encoder-decoder with cross attention; relative attention bias split by heads
