@@ -45,7 +45,7 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
     """The minimum collectives of one forward and backward of `full` (unsharded) split as `plan` says."""
     import torch
 
-    from tpmap.lint.rules import block_prefixes
+    from tpmap.engine.blocks import block_prefixes
 
     prefix = plan.base_prefix
     base = full.get_submodule(prefix[:-1]) if prefix else full

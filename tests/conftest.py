@@ -1,5 +1,16 @@
-"""Shared fixtures. `ranks(ws)` gives a pool of `ws` real gloo processes, started once per session
-and reused by every test (starting a rank with transformers imported costs seconds)."""
+"""Shared fixtures and the two test tiers.
+
+`ranks(ws)` gives a pool of `ws` real gloo processes, started once per session and reused by every
+test (starting a rank with transformers imported costs seconds).
+
+Tiers: `pytest -q` runs the default tier, `pytest -q --full` everything (what CI's .ci/run runs). The
+default tier keeps every test that neither starts ranks nor writes a checkpoint (unit tests, plans of
+meta models, golden lint cases, hypothesis properties) and, of those that do (FAMILY_FIXTURES), the ones
+whose model type (a `ref` or `model_type` parameter) is a representative family below and whose world
+size (a `ws` or `world_size` parameter) is 2. Tests marked `full` (torchrun examples, dp x tp,
+torch.compile, tests that start 3 or 4 ranks without a world-size parameter, the wrong-mapping cases
+beyond one per feature) run in the full tier only.
+"""
 from __future__ import annotations
 
 import json
@@ -9,6 +20,35 @@ import time
 import pytest
 
 from tpmap.launch import RankPool
+
+# Families whose multi-rank tests run in the default tier: together they use every entry kind (Column,
+# Row, Update, Param, Reduce, Enter, Norm, Input) and every flag of MODELS.md's features column.
+REPRESENTATIVE = {
+    "llama",        # the plain decoder: grouped-query attention, a separate LM head
+    "gpt2",         # Conv1D: reverse, combined_qkv; tied embedding and LM head
+    "bert",         # encoder; heads for masked LM, sequence classification and the bare model
+    "t5",           # encoder-decoder with cross attention; relative attention bias split by heads
+    "mixtral",      # MoE: Param experts with sections, Reduce
+    "qwen3_moe",    # MoE with `when` (dense layers) and grad_allreduce (q/k norms)
+    "deepseek_v3",  # MLA: Enter, copy_input: false, grad_allreduce
+    "falcon",       # Input (ALiBi mask), groups, when across four layouts
+    "phi3",         # fused qkv and gate/up: unequal sections; per-rank config copy
+    "bloom",        # Input (ALiBi, flattened [B * H]); an `unsupported` variant
+    "gpt_neox",     # head-major fused qkv without combined_qkv; parallel attention + MLP
+    "mamba",        # SSM: Param on a depthwise conv, Enter
+    "olmoe",        # Norm (q/k statistics over split features) in an MoE
+    "gpt_oss",      # partial: an expert bias added once inside the partial sum
+    "fsmt",         # gather_output, a partial mapping (attention kept whole), not_checked grad_fp64
+}
+DEFAULT_WORLD_SIZE = 2
+# a test using one of these runs models per family: on real ranks, or saved to and loaded from a checkpoint
+FAMILY_FIXTURES = {"ranks", "checkpoint"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the full tier: every family at every world size and the tests marked full "
+                          "(what CI runs); without it, the default tier (see tests/conftest.py)")
 
 
 @pytest.fixture(scope="session")
@@ -25,19 +65,51 @@ def ranks():
         pool.close()
 
 
-# --- time per architecture -------------------------------------------------------------------------
-# Issue 9 asks for the suite's time per architecture: every parametrized test that names a model type
-# (`ref` in tests/test_mappings.py, `model_type` in tests/test_checkpoint.py, ...) adds its wall time,
-# setup included, to that model type. The terminal summary prints the slowest ones and the totals;
-# `TPMAP_SUITE_TIMES=FILE` also writes them all as JSON.
-_SECONDS_BY_ARCH: dict[str, float] = {}
-_SESSION_START = time.perf_counter()
+def _params(item) -> dict:
+    return getattr(getattr(item, "callspec", None), "params", {})
 
 
 def _architecture(item) -> str | None:
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    """The model type a parametrized test names (`ref` in tests/test_mappings.py, `model_type` in
+    tests/test_checkpoint.py, ...), or None."""
+    params = _params(item)
     value = params.get("ref", params.get("model_type"))
     return value if isinstance(value, str) else None
+
+
+def _full_only(item) -> bool:
+    """True when `item` belongs to the full tier only."""
+    if item.get_closest_marker("full"):
+        return True
+    if not FAMILY_FIXTURES & set(item.fixturenames):
+        return False  # no rank process, no checkpoint: always in the default tier
+    params = _params(item)
+    arch = _architecture(item)
+    world_size = params.get("ws", params.get("world_size"))
+    return (arch is not None and arch not in REPRESENTATIVE) or (world_size not in (None, DEFAULT_WORLD_SIZE))
+
+
+_LEFT_TO_FULL: list[int] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    keep, left = [], []
+    for item in items:
+        (left if _full_only(item) else keep).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+    _LEFT_TO_FULL.append(len(left))
+
+
+# --- time per architecture -------------------------------------------------------------------------
+# Every parametrized test that names a model type adds its wall time, setup included, to that model
+# type. The terminal summary prints the slowest ones and the totals; `TPMAP_SUITE_TIMES=FILE` also
+# writes them all as JSON.
+_SECONDS_BY_ARCH: dict[str, float] = {}
+_SESSION_START = time.perf_counter()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -50,12 +122,15 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    if _LEFT_TO_FULL and _LEFT_TO_FULL[-1]:
+        left = _LEFT_TO_FULL[-1]
+        write(f"default tier: {left} test{'s' * (left != 1)} left to the full tier (pytest --full runs them)")
     if not _SECONDS_BY_ARCH:
         return
     wall = time.perf_counter() - _SESSION_START
     per_arch = sorted(_SECONDS_BY_ARCH.items(), key=lambda kv: -kv[1])
     total = sum(_SECONDS_BY_ARCH.values())
-    write = terminalreporter.write_line
     write(f"time per architecture: {len(per_arch)} model types, {total:.0f} s of {wall:.0f} s wall "
           f"(mean {total / len(per_arch):.1f} s); slowest:")
     write("  " + ", ".join(f"{arch} {seconds:.1f}s" for arch, seconds in per_arch[:12]))

@@ -9,7 +9,8 @@
 * Saving: apply -> tpmap.save_pretrained writes the files transformers' save_pretrained writes for the
   unsharded model, loads back bit-identical with plain transformers, and tpmap.from_pretrained at
   another world size gives the unsharded logits.
-* Conversions, ties, dtypes, key mappings; every bad input of issue 8 raises on every rank.
+* Conversions, ties, dtypes, key mappings; every bad checkpoint (missing shard or tensor, shape against
+  the config, truncated file, .bin only, unknown model type) raises the same clear error on every rank.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torch.compile on real ranks at world size 2 (issue 11, item 3): tpmap adds no graph break to a forward
+"""torch.compile on real ranks at world size 2: tpmap adds no graph break to a forward
 or a training forward, and compiled results equal eager tpmap's and the unsharded model's.
 
 Counts come from torch._dynamo.explain; a break the unsharded model also has is transformers' own, so
@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 import compile_cases
+
+pytestmark = pytest.mark.full  # compiling takes minutes
 
 LLAMA = ("llama", "LlamaForCausalLM")
 TPMAP_FILES = ("/engine/", "/tpmap/")

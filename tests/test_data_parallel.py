@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-import dp_cases
+import data_parallel_cases
+
+pytestmark = pytest.mark.full  # 4 ranks per test
 
 KV1 = {"num_key_value_heads": 1}  # one KV head at tp 2: replicated, its gradient summed over the tp group
 
@@ -39,7 +41,7 @@ STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, 
                          ids=[f"{c[0]}-{c[3]}-{c[4]}-{c[5]}" for c in STEP_CASES])
 def test_ddp_over_dp_of_tpmap_over_tp_equals_one_unsharded_step(ranks, model_type, class_name, overrides,
                                                                 optimizer, dtype, loss, bound):
-    results = ranks(4).run(dp_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss)
+    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss)
     assert [(r["dp"], r["tp"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
         assert r["params"] > 0
@@ -64,14 +66,14 @@ def test_fsdp2_over_dp_of_tpmap_over_tp_equals_unsharded_steps(ranks, model_type
     """fully_shard swaps every parameter for a DTensor (and an unsharded one in forward): tpmap's gradient
     hooks (replicated KV heads, grad_allreduce norms) must follow, or those gradients are wrong by O(1).
     Two steps: the hooks hold on the parameters FSDP2 uses the second time too."""
-    results = ranks(4).run(dp_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss,
+    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss,
                            wrap, 2)
     for r in results:
         assert r["worst_rel"] < bound, r
 
 
 def test_apply_takes_the_tp_dimension_of_a_mesh_and_remembers_its_group(ranks):
-    for r in ranks(4).run(dp_cases.mesh_group_case):
+    for r in ranks(4).run(data_parallel_cases.mesh_group_case):
         assert r["tp_size"] == 2
         assert r["same_state"]  # full_state_dict without group= gathers over the tp group, not every rank
         assert r["errors"]["2d"][0] == "ProcessGroupError" and "group=mesh['tp']" in r["errors"]["2d"][1]
@@ -79,10 +81,10 @@ def test_apply_takes_the_tp_dimension_of_a_mesh_and_remembers_its_group(ranks):
 
 
 def test_one_data_parallel_replica_saves_a_standard_checkpoint(ranks, tmp_path):
-    assert all(r["same"] for r in ranks(4).run(dp_cases.dp_save_case, str(tmp_path / "out")))
+    assert all(r["same"] for r in ranks(4).run(data_parallel_cases.dp_save_case, str(tmp_path / "out")))
 
 
 def test_data_parallel_replicas_generate_their_own_prompts(ranks):
-    results = ranks(4).run(dp_cases.dp_generate_case)
+    results = ranks(4).run(data_parallel_cases.dp_generate_case)
     assert all(r["same"] for r in results)
     assert results[0]["tokens"] == results[1]["tokens"] != results[2]["tokens"] == results[3]["tokens"]

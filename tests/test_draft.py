@@ -17,17 +17,19 @@ from tpmap.spec import source
 from tpmap.spec.errors import DraftError
 from tpmap.lint import lint_file
 
+from helpers import run_case
+
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
 # head-major fused qkv), BERT-style encoders (nested attention scopes, layer-shared weights),
-# encoder-decoders with cross attention, a text tower. Mappings for them ship now too, written by hand
-# in parallel; the drafter reads nothing of a shipped mapping but its default_config, which none of these has.
+# encoder-decoders with cross attention, a text tower. Hand-written mappings for them ship too; the drafter
+# reads nothing of a shipped mapping but its default_config, which none of these has.
 PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta", "xlm-roberta", "camembert",
          "electra", "megatron-bert", "distilbert", "albert", "roformer", "deberta-v2", "mbart", "m2m_100",
          "clip_text_model"]
 # not plain: what the draft cannot split (MoE experts, a short-conv mixer) stays whole, flagged, and the
-# rest verifies unedited. Hand-written mappings for some of them ship by now; as for PLAIN, the drafter
-# reads nothing of those but a default_config, which the test checks they lack. xlm and ernie are not among
-# the 120 text architectures of issue 9 (they stay unmapped); they took the places of xlnet and rwkv.
+# rest verifies unedited. Hand-written mappings for some of them ship too; as for PLAIN, the drafter reads
+# nothing of those but a default_config, which the test checks they lack. xlm and ernie have no shipped
+# mapping.
 NOT_PLAIN = ["llama4_text", "glm4_moe", "ernie4_5_moe", "lfm2", "ernie", "xlm"]
 
 
@@ -40,11 +42,6 @@ def drafts(tmp_path_factory):
         out[model_type] = folder / f"{model_type}.yaml"
         out[model_type].write_text(draft.draft(model_type), encoding="utf-8")
     return out
-
-
-def run(ranks, case: verify.Case) -> verify.Result:
-    return verify.judge(case, ranks(case.world_size).run(verify.forward_case, case.ref, case.verify_index,
-                                                         case.class_name))
 
 
 def test_at_least_15_plain_drafts_are_proven():
@@ -61,7 +58,7 @@ def test_a_plain_draft_verifies_unedited(ranks, drafts, model_type, world_size):
     """Forward on real gloo ranks against the unsharded model, the draft exactly as written."""
     cases = verify.cases([str(drafts[model_type])], [world_size])
     assert [c.world_size for c in cases] == [world_size], f"the draft claims no world size {world_size}"
-    result = run(ranks, cases[0])
+    result = run_case(ranks, cases[0])
     assert result.passed, result.error
     assert result.params_local < result.params_full  # something really was split
 

@@ -20,16 +20,7 @@ from tpmap.spec.errors import (
 )
 
 import rank_cases
-
-
-def shipped_text(model_type: str) -> str:
-    return source.shipped_files()[model_type].read_text()
-
-
-def edited(model_type: str, old: str, new: str) -> str:
-    text = shipped_text(model_type)
-    assert old in text, old
-    return text.replace(old, new, 1)
+from helpers import edited, mapping_text
 
 
 def fails_cleanly(model_type: str, mapping_text: str | None, world_size: int, error: type, *needles: str):
@@ -57,6 +48,7 @@ def test_world_size_that_does_not_divide_the_heads():
     assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 5" in msg and "transformer.h.0.attn.c_attn" in msg
 
 
+@pytest.mark.full  # 3 ranks
 def test_world_size_that_does_not_divide_the_heads_on_real_ranks(ranks):
     """llama's kv2 config at world size 3: 2 KV heads and 3 ranks, neither divides the other."""
     result = ranks(3).run(rank_cases.apply_error, "llama", "LlamaForCausalLM", 3)
@@ -137,7 +129,7 @@ def test_model_type_without_a_mapping_lists_the_supported_ones():
 
 
 def test_mapping_for_another_model_type():
-    fails_cleanly("gpt2", shipped_text("llama"), 1, tpmap.MappingError, "for model_type 'llama'", "'gpt2'")
+    fails_cleanly("gpt2", mapping_text("llama"), 1, tpmap.MappingError, "for model_type 'llama'", "'gpt2'")
 
 
 def test_applying_twice(ranks):
@@ -245,7 +237,7 @@ def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
         assert "set vocab_parallel.embedding: false" in str(err), str(err)
     assert rank_cases.same_signature(before, rank_cases.state_signature(model))
     # the advice works: with the embedding kept whole the plan builds (the LM head is still split)
-    text = shipped_text("llama").replace("vocab_parallel: {embedding: true,", "vocab_parallel: {embedding: false,")
+    text = edited("llama", "vocab_parallel: {embedding: true,", "vocab_parallel: {embedding: false,")
     assert "embedding: false" in text
     plan = tpmap.plan(model, 2, mapping=source.load_text(text, "llama.yaml"))
     assert [m.style for m in plan.modules if m.style.startswith("vocab")] == ["vocab_head"]

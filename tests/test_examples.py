@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.full  # a torchrun job (new processes) per run
+
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> str:
     """Run an example under torchrun (--standalone picks a free port); kill its whole group on timeout."""

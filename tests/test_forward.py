@@ -8,17 +8,10 @@ from tpmap import verify
 from tpmap.spec import source
 
 import rank_cases
+from helpers import edited_copy, first_case, run_case
 
 SHIPPED = list(source.shipped_files())
 CASES = verify.cases(SHIPPED)
-
-
-def run_case(ranks, case: verify.Case) -> verify.Result:
-    args = (case.ref, case.verify_index, case.class_name)
-    per_rank = ranks(case.world_size).run(verify.forward_case, *args) if case.world_size > 1 else [
-        verify.forward_case(*args)]
-    assert len(per_rank) == case.world_size
-    return verify.judge(case, per_rank)
 
 
 # world size 3 impossible for the architecture itself: proven by the planner refusing it on the verify config
@@ -77,13 +70,9 @@ WRONG_MAPPINGS = {
 def test_a_wrong_mapping_is_caught(ranks, tmp_path, name):
     """The comparison can fail: known-wrong mappings give a large difference or an error, never a pass."""
     model_type, old, new = WRONG_MAPPINGS[name]
-    text = source.shipped_files()[model_type].read_text()
-    assert old in text
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text.replace(old, new, 1))
-    case = [c for c in verify.cases([str(path)], [2])][0]
+    path = edited_copy(tmp_path, name, model_type, old, new)
     try:
-        result = run_case(ranks, case)
+        result = run_case(ranks, first_case(path, 2))
     except Exception as e:  # a shape error inside the forward is also a catch
         assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError)
         return

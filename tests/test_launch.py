@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from tpmap.spec import source
 from tpmap.launch import RankFailure
 
 import rank_cases
+from helpers import edited_copy
 
 
 def test_a_crashing_rank_is_reported_with_its_traceback(ranks):
@@ -22,6 +22,7 @@ def test_a_crashing_rank_is_reported_with_its_traceback(ranks):
     assert pool.run(rank_cases.rank_and_size) == [(0, 2), (1, 2)]  # the pool starts afresh
 
 
+@pytest.mark.full  # 3 ranks
 def test_a_hanging_rank_is_reported_within_the_timeout(ranks):
     pool = ranks(3)
     t0 = time.monotonic()
@@ -42,9 +43,8 @@ def _verify_cli(*args, timeout=240):
 
 
 def test_verify_cli_fails_on_a_wrong_mapping(tmp_path):
-    path = tmp_path / "neox_wrong.yaml"
-    path.write_text(source.shipped_files()["gpt_neox"].read_text().replace(
-        "    heads: num_attention_heads\n  - kind: Row", "    combined_qkv: true\n  - kind: Row", 1))
+    path = edited_copy(tmp_path, "neox_wrong", "gpt_neox", "    heads: num_attention_heads\n  - kind: Row",
+                       "    combined_qkv: true\n  - kind: Row")
     proc = _verify_cli(str(path), "-n", "2")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "0 passed, 1 failed" in proc.stdout
@@ -96,11 +96,8 @@ def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     from tpmap import verify
     from tpmap.spec.errors import MappingError
 
-    text = source.shipped_files()["whisper"].read_text()
     declared = "    inputs:\n      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n"
-    assert declared in text
-    path = tmp_path / "whisper.yaml"
-    path.write_text(text.replace(declared, "", 1))
+    path = edited_copy(tmp_path, "whisper", "whisper", declared, "")
     with pytest.raises(MappingError) as e:
         verify.case_inputs(str(path), 0, _meta("whisper"))
     line = path.read_text().splitlines().index(next(x for x in path.read_text().splitlines()
@@ -110,6 +107,7 @@ def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     assert e.value.rule == "missing-key"
 
 
+@pytest.mark.full  # a verify subprocess starting its own ranks
 def test_verify_cli_runs_whisper_from_its_input_features():
     """Whisper needs input_features; verify used to feed input_ids only and report a mapping failure."""
     proc = _verify_cli("whisper", "-n", "2")

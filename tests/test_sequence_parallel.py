@@ -11,7 +11,7 @@ import tpmap
 from tpmap import verify
 from tpmap.spec import source
 
-import sequence_cases
+import sequence_parallel_cases
 
 GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 # fp64 logits: 1e-6, not ~1e-12, because some transformers norms compute in float32 whatever the dtype
@@ -84,7 +84,7 @@ def test_refused_list_names_shipped_families_only():
 @pytest.mark.parametrize("ref, cls, ws, dtype", EXACT, ids=[_id(c) for c in EXACT])
 def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
     """Every family apply accepts: logits and per-shard gradients as the unsharded model and plain TP."""
-    for r in ranks(ws).run(sequence_cases.grad_case, ref, cls, dtype, SEQ[ws]):
+    for r in ranks(ws).run(sequence_parallel_cases.grad_case, ref, cls, dtype, SEQ[ws]):
         assert any(t % ws == 0 for t in r["block1_tokens_tp"]), r  # the case really exercises the split
         assert _split_as_expected(r["block1_tokens"], r["block1_tokens_tp"], ws), r
         assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] and r["logits_vs_tp"] <= LOGIT_RTOL[dtype], r
@@ -96,7 +96,7 @@ def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
 def test_same_greedy_tokens(ranks, ref, cls, ws):
     """The prefill runs split (prompt / ws tokens between blocks), the decode steps (T = 1) as plain TP; a
     model without a KV cache (OpenAI GPT, MPT) runs every step on the whole sequence, split when it divides."""
-    for r in ranks(ws).run(sequence_cases.generate_case, ref, cls, SEQ[ws]):
+    for r in ranks(ws).run(sequence_parallel_cases.generate_case, ref, cls, SEQ[ws]):
         assert r["same_as_full"] and r["same_as_tp"], r
         if r["block1_tokens_tp"][0] == SEQ[ws]:  # the prompt sets the prefill's length (Whisper's: its config)
             assert r["block1_tokens"][0] == SEQ[ws] // ws, r
@@ -106,7 +106,7 @@ def test_same_greedy_tokens(ranks, ref, cls, ws):
 @pytest.mark.parametrize("ref", sorted(REFUSED))
 def test_refused_families_name_the_reason_and_stay_untouched(ranks, ref):
     cls = next(c for r, c, _ in FAMILIES if r == ref)
-    for r in ranks(2).run(sequence_cases.refused_case, ref, cls):
+    for r in ranks(2).run(sequence_parallel_cases.refused_case, ref, cls):
         assert r["error"] == "SequenceParallelError" and REFUSED[ref] in r["message"], r
         assert r["untouched"] or r["at"] == "forward", r
 
@@ -114,7 +114,7 @@ def test_refused_families_name_the_reason_and_stay_untouched(ranks, ref):
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("case", [("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM")], ids=ids)
 def test_length_not_divisible_runs_as_plain_tp(ranks, case, ws):
-    for r in ranks(ws).run(sequence_cases.grad_case, *case, torch.float32, 7):
+    for r in ranks(ws).run(sequence_parallel_cases.grad_case, *case, torch.float32, 7):
         assert r["block1_tokens"] == [7], r  # not split
         assert r["logits_vs_tp"] == 0.0 and r["grad_vs_full"] <= GRAD_RTOL[torch.float32], r
 
@@ -123,24 +123,25 @@ def test_length_not_divisible_runs_as_plain_tp(ranks, case, ws):
 def test_encoder_split_decoder_not_in_one_backward(ranks, ref, cls):
     """Encoder input 8 tokens (split), decoder 7 (plain TP), one loss: each stack's whole parameters follow
     their own stack's kind."""
-    for r in ranks(2).run(sequence_cases.grad_case, ref, cls, torch.float32, 8, decoder_seq=7):
+    for r in ranks(2).run(sequence_parallel_cases.grad_case, ref, cls, torch.float32, 8, decoder_seq=7):
         assert r["block1_tokens_tp"] == [8, 7] and r["block1_tokens"] == [4, 7], r
         assert r["grad_vs_full"] <= GRAD_RTOL[torch.float32] and r["grad_vs_tp"] <= GRAD_RTOL[torch.float32], r
 
 
+@pytest.mark.full  # 4 ranks
 @pytest.mark.parametrize("case", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
                                   ("opt", "OPTForCausalLM")], ids=ids)
 def test_train_mode_and_checkpointing_keep_gradients_exact(ranks, case):
     """fp64, world size 4, dropout 0: the dropout-region hooks and recomputed blocks (gradient checkpointing:
     the split and the gathers run again in backward) change nothing."""
-    for r in ranks(4).run(sequence_cases.grad_case, *case, torch.float64, 8, True, True):
+    for r in ranks(4).run(sequence_parallel_cases.grad_case, *case, torch.float64, 8, True, True):
         assert r["block1_tokens"] == [2], r
         assert r["grad_vs_full"] <= GRAD_RTOL[torch.float64] and r["grad_vs_tp"] <= GRAD_RTOL[torch.float64], r
 
 
 def test_dropout_masks_per_rank_and_replayed(ranks):
     case = ("bert", "BertForMaskedLM", "bert.encoder.layer.0.attention.output.dropout")  # after a Row: split
-    for r in ranks(2).run(sequence_cases.dropout_case, *case):
+    for r in ranks(2).run(sequence_parallel_cases.dropout_case, *case):
         assert r["mask_shape"][1] == 4, r  # this rank's 8 / 2 tokens
         assert r["ranks_agree_False"] and r["ranks_agree_True"], r
         assert r["dropout_changed_output_False"] and r["masks_differ"], r
@@ -151,7 +152,7 @@ def test_dropout_masks_per_rank_and_replayed(ranks):
                                   ("bert", "BertModel")], ids=ids)
 def test_collectives_trade_all_reduce_for_reduce_scatter_and_all_gather(ranks, case):
     layers = verify.tiny_config(case[0]).num_hidden_layers
-    for r in ranks(2).run(sequence_cases.collectives_case, *case):
+    for r in ranks(2).run(sequence_parallel_cases.collectives_case, *case):
         tp, sp = r["tp"], r["sp"]
         assert sp.get("reduce_scatter_tensor") == 2 * layers, r  # each block's two Rows
         assert sp.get("all_gather_into_tensor") == 2 * layers + 1, r  # each block's two Column parents + the end
@@ -159,7 +160,7 @@ def test_collectives_trade_all_reduce_for_reduce_scatter_and_all_gather(ranks, c
 
 
 def test_mixing_split_and_unsplit_forwards_in_one_backward_raises(ranks):
-    for r in ranks(2).run(sequence_cases.mixed_backward_case, "llama", "LlamaForCausalLM"):
+    for r in ranks(2).run(sequence_parallel_cases.mixed_backward_case, "llama", "LlamaForCausalLM"):
         assert r["error"] is not None and "with and without sequence parallelism" in r["message"], r
 
 

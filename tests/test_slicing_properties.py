@@ -4,7 +4,7 @@ For random shapes, split dims, section lists, head counts (fewer KV heads than r
 groups, world sizes and vocabulary sizes: every rank's `take` gathered back (`assemble`) is the
 tensor; the pieces tile the split dim (each index held once, or -- replicated heads -- by the same
 number of ranks); and the checkpoint reader's slice (`engine.load.read_local`, both its run-by-run
-and its block-by-block strategy, and `tpmap.conversion.Reader` through a transformers expert
+and its block-by-block strategy, and `tpmap.checkpoint.conversion.Reader` through a transformers expert
 conversion) equals `take`'s, bit for bit.
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_runs_merge_what_is_contiguous():
 
 # -- a converted tensor (transformers' per-expert -> fused experts) read lazily equals take ------------
 class _Fake:
-    """A stored tensor in memory: what tpmap.conversion reads through (name, shape, dtype, read_into)."""
+    """A stored tensor in memory: what tpmap.checkpoint.conversion reads through (name, shape, dtype, read_into)."""
 
     def __init__(self, name: str, value: torch.Tensor):
         self.name, self.shape, self.dtype = name, tuple(value.shape), value.dtype
@@ -191,7 +191,7 @@ def expert_conversion():
        fused=st.booleans())
 def test_a_lazily_converted_slice_equals_take_of_the_converted_tensor(expert_conversion, experts, inter, hidden, ws,
                                                                      fused):
-    from tpmap.checkpoint import conversion
+    from tpmap.checkpoint.safetensors import conversion
 
     size = inter * ws
     if fused:  # gate_up_proj [E, 2I, H] from w1, w3 [I, H] per expert, split on dim 1 as [gate | up]

@@ -21,6 +21,7 @@ import torch
 from tpmap import verify
 
 import rank_cases
+from helpers import edited_copy, mapping_text
 
 from tpmap.spec import source
 
@@ -60,6 +61,7 @@ def ids(case):
     return f"{case[0]}-{case[2]}"
 
 
+@pytest.mark.full  # 4 ranks
 @pytest.mark.parametrize("case", [c for c in LM_CLASSES if c[0] in ("llama", "t5", "gpt2")], ids=ids)
 def test_gradient_checkpointing_keeps_gradients_exact(ranks, case):
     for r in ranks(4).run(rank_cases.grad_case, *case, True, torch.float64):
@@ -86,15 +88,13 @@ def test_dropout_keeps_replicated_activations_identical(ranks, case):
 
 def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp_path):
     """The declared feature is needed: drop it and the q/k norm gradients are partial sums."""
-    from tpmap.spec import source
-
-    text = source.shipped_files()["qwen3"].read_text()
-    path = tmp_path / "qwen3_no_grad_allreduce.yaml"
-    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("grad_allreduce:")))
+    line = next(x for x in mapping_text("qwen3").splitlines() if x.startswith("grad_allreduce:"))
+    path = edited_copy(tmp_path, "qwen3_no_grad_allreduce", "qwen3", line + "\n", "", every=True)
     for r in ranks(2).run(rank_cases.grad_case, str(path), 0, "Qwen3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and "_norm" in r["worst_name"], r
 
 
+@pytest.mark.full  # 4 ranks
 def test_sharded_region_rng_differs_per_rank_and_default_stream_stays_in_step(ranks):
     for r in ranks(4).run(rank_cases.rng_region_case):
         assert r == {"before": 1, "inside": 4, "after": 1}

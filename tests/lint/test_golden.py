@@ -21,7 +21,7 @@ _spec.loader.exec_module(regen)
 ROOT, CASES = regen.ROOT, regen.CASES
 NAMES = regen.case_names()
 
-# the mistakes the issue asks for, each with at least one case (name -> rule it must report)
+# realistic mistakes, each with at least one case (name -> rule it must report)
 REQUIRED = {
     "typo_key": "unknown-key", "unknown_kind": "unknown-kind", "wrong_type": "wrong-type",
     "yaml_syntax": "yaml-syntax", "tab_indentation": "yaml-syntax", "duplicate_key": "duplicate-key",
@@ -29,7 +29,7 @@ REQUIRED = {
     "uncovered_linear": "coverage", "column_without_row": "pairing", "fused_sections": "fused-sections",
     "missing_config_attribute": "config-attribute", "world_size": "divisibility",
     "reverse_on_linear": "orientation",
-    # the long-tail kinds
+    # entry kinds beyond Column, Row and Update (Param, Reduce, Input, Norm), when, groups, unsupported
     "param_unknown_tensor": "module-kind", "param_dim_out_of_range": "module-kind",
     "param_partial_with_dim": "wrong-type", "reduce_no_match": "pattern-no-match",
     "input_argument": "module-kind", "norm_module_kind": "module-kind", "when_never": "when-never",

@@ -1,8 +1,7 @@
-"""The long-tail features the MoE mappings rely on: each is needed, so a mapping without it is caught
-(a wrong forward, wrong gradients or an error), and the small engine fixes they needed."""
+"""The entries MoE and MLA mappings rely on (Param experts with sections, Reduce, partial, Norm, when,
+Enter, copy_input: false, grad_allreduce): each is needed, so a mapping without it is caught (a wrong
+forward, wrong gradients or an error); expressions over sub-configs; lint past a cut default config."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +9,7 @@ import transformers
 
 import rank_cases
 import tpmap
-from tpmap import verify
-from tpmap.spec import source
+from helpers import edited_copy, first_case, mapping_text, replaced, run_case, write_mapping
 from tpmap.spec.source import load_text
 
 DBRX_EXPERTS = """
@@ -92,22 +90,12 @@ def test_lint_accepts_entries_for_blocks_past_the_cut_default_config(tmp_path):
 DBRX = "dbrx"
 
 
-def _forward(ranks, ref: str, world_size: int, verify_index: int = 0) -> verify.Result:
-    case = [c for c in verify.cases([ref], [world_size]) if c.verify_index == verify_index][0]
-    args = (case.ref, case.verify_index, case.class_name)
-    per_rank = ranks(world_size).run(verify.forward_case, *args) if world_size > 1 else [verify.forward_case(*args)]
-    return verify.judge(case, per_rank)
-
-
-def _edited(tmp_path, origin: str, replacements: list[tuple[str, str]], name: str) -> str:
-    """A copy of a mapping (a shipped model type or a path) with every occurrence of each `old` replaced."""
-    text = (source.shipped_files()[origin] if origin in source.shipped_files() else Path(origin)).read_text()
-    for old, new in replacements:
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text)
-    return str(path)
+def test_moe_experts_without_their_reduce_are_caught(ranks, tmp_path):
+    """Each rank's experts output is a partial sum: without the Reduce the logits are wrong."""
+    block = "  - kind: Reduce\n    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n"
+    path = edited_copy(tmp_path, "mixtral_no_reduce", "mixtral", block, "", every=True)
+    result = run_case(ranks, first_case(path, 2))
+    assert not result.passed and result.rel_diff > 1e-3, result
 
 
 WRONG_FORWARD = {
@@ -129,10 +117,13 @@ WRONG_FORWARD = {
 def test_a_wrong_moe_mapping_is_caught(ranks, tmp_path, name):
     """Each feature is needed: without it the sharded output is off by far more than rounding (or the
     forward fails)."""
-    origin, replacements = WRONG_FORWARD[name]
-    path = _edited(tmp_path, origin, replacements, name)
+    source, replacements = WRONG_FORWARD[name]
+    text = mapping_text(source)
+    for old, new in replacements:
+        text = replaced(text, old, new, every=True)
+    path = write_mapping(tmp_path, name, text)
     try:
-        result = _forward(ranks, path, 2)
+        result = run_case(ranks, first_case(path, 2, verify_index=0))
     except Exception as e:  # a shape error inside the forward is also a catch
         assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError), e
         return
@@ -143,9 +134,9 @@ def test_a_wrong_moe_mapping_is_caught(ranks, tmp_path, name):
 def test_when_keeps_dense_entries_off_configs_without_dense_layers(ranks, tmp_path):
     """Qwen3-MoE's dense-MLP entries apply only where mlp_only_layers makes dense layers: without the
     `when`, a config whose layers are all sparse has no module for them, and apply refuses."""
-    path = _edited(tmp_path, "qwen3_moe", [("    when: {mlp_only_layers: [[0]]}\n", "")], "qwen3_moe-no-when")
+    path = edited_copy(tmp_path, "qwen3_moe-no-when", "qwen3_moe", "    when: {mlp_only_layers: [[0]]}\n", "", every=True)
     with pytest.raises(Exception, match="pattern matches no module"):
-        _forward(ranks, path, 2)
+        run_case(ranks, first_case(path, 2, verify_index=0))
 
 
 WRONG_GRADS = {  # DeepSeek-V3's MLA: the shared rope key's gradient, summed once, and the norm between
@@ -163,6 +154,6 @@ WRONG_GRADS = {  # DeepSeek-V3's MLA: the shared rope key's gradient, summed onc
 @pytest.mark.parametrize("name", WRONG_GRADS)
 def test_deepseek_mla_gradients_need_enter_copy_input_and_grad_allreduce(ranks, tmp_path, name):
     old, new, where = WRONG_GRADS[name]
-    path = _edited(tmp_path, "deepseek_v3", [(old, new)], f"deepseek_v3-{name}")
+    path = str(edited_copy(tmp_path, f"deepseek_v3-{name}", "deepseek_v3", old, new, every=True))
     for r in ranks(2).run(rank_cases.grad_case, path, 0, "DeepseekV3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and where in r["worst_name"], r

@@ -1,4 +1,5 @@
-"""Hostile and broken mapping files: every one a located TpmapError (never a traceback, never a hang),
+"""Hostile and broken mapping files (alias bombs, huge numbers, deep nesting, unreadable paths, fuzzed
+edits of real mappings): every one a located TpmapError (never a traceback, never a hang),
 and `tpmap lint` exits 0 or 1 with diagnostics on anything a fuzzer makes of real mappings.
 
 The time bounds here are hang guards (seconds where a real run takes milliseconds), not speed targets.
@@ -16,8 +17,10 @@ from tpmap.spec import source
 from tpmap.spec.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
 
+from helpers import edited, mapping_text
+
 SHIPPED = source.shipped_files()
-LLAMA = SHIPPED["llama"].read_text()
+LLAMA = mapping_text("llama")
 
 
 def _alias_bomb(levels: int) -> str:
@@ -33,15 +36,15 @@ HOSTILE = {
     "5000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 5000 + "]\n", "5,000 characters"),
     "4000-digit-integer": ("model_type: llama\nworld_sizes: [" + "9" * 4000 + "]\nentries: []\nverify: []\n",
                            "less than or equal to 65536"),
-    "20000-term-expression": (LLAMA.replace("heads: num_attention_heads", "heads: " + "+".join(["1"] * 1500), 1),
+    "20000-term-expression": (edited("llama", "heads: num_attention_heads", "heads: " + "+".join(["1"] * 1500)),
                               "characters (limit 256)"),
     "deep-nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nesting deeper than 64"),
     "recursive-alias": ("a: &a [*a]\n", "nesting deeper than 64"),
     "non-string-key": ("? [a, b]\n: 1\n", "must be a plain string"),
     "bad-timestamp": ("model_type: 2001-13-45 10:00:00\n", "cannot read the value"),
-    "negative-update": (LLAMA.replace(
-        "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
-        "num_key_value_groups: 0 - 5"), None),  # schema-valid: caught at plan time, see below
+    "negative-update": (edited(
+        "llama", "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
+        "num_key_value_groups: 0 - 5", every=True), None),  # schema-valid: caught at plan time, see below
 }
 
 

@@ -30,7 +30,7 @@ def _models(ref: str, class_name: str, dtype: torch.dtype = torch.float32):
 
 def _block_input_tokens(model) -> list:
     """Hooks that record the sequence length each block's hidden-state input has (the first argument)."""
-    from tpmap.lint.rules import block_prefixes
+    from tpmap.engine.blocks import block_prefixes
 
     plan = model.tpmap_plan
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model

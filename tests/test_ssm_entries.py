@@ -1,6 +1,6 @@
-"""The long-tail entries the SSM mappings (mamba, mamba2, jamba, falcon_mamba) rely on are needed:
-drop one from a copy of the shipped YAML and the comparison against the unsharded model fails, by a
-large difference or an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
+"""The entries the SSM mappings (mamba, mamba2, jamba, falcon_mamba) rely on are needed: drop one from a
+copy of the shipped YAML and the comparison against the unsharded model fails, by a large difference or
+an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
 
 * Param on a depthwise nn.Conv1d (its weight [C, 1, K] split by channel) and its sections (Mamba-2's
   conv over [x | B | C]);
@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpmap import verify
 from tpmap.spec import source
 from tpmap.spec.errors import DivisibilityError
 
 import rank_cases
+from helpers import edited, edited_copy, first_case, replaced, run_case, write_mapping
 
 # name: (model type, text of the shipped YAML, replacement)
 FORWARD_WRONG = {
@@ -49,24 +49,11 @@ GRAD_WRONG = {
 }
 
 
-def _copy(tmp_path, name: str, model_type: str, old: str, new: str) -> str:
-    text = source.shipped_files()[model_type].read_text()
-    assert text.count(old) == 1, f"{name}: the shipped {model_type}.yaml changed; update this test"
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text.replace(old, new))
-    return str(path)
-
-
-def _forward(ranks, path: str, ws: int = 2) -> verify.Result:
-    case = verify.cases([path], [ws])[0]
-    return verify.judge(case, ranks(ws).run(verify.forward_case, case.ref, case.verify_index, case.class_name))
-
-
 @pytest.mark.parametrize("name", FORWARD_WRONG)
 def test_a_wrong_ssm_mapping_is_caught(ranks, tmp_path, name):
-    path = _copy(tmp_path, name, *FORWARD_WRONG[name])
+    path = edited_copy(tmp_path, name, *FORWARD_WRONG[name], once=True)
     try:
-        result = _forward(ranks, path)
+        result = run_case(ranks, first_case(path, 2))
     except Exception as e:  # a shape error inside the forward is also a catch
         assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError)
         return
@@ -77,7 +64,7 @@ def test_a_wrong_ssm_mapping_is_caught(ranks, tmp_path, name):
 @pytest.mark.parametrize("name", GRAD_WRONG)
 def test_without_the_enter_the_x_proj_gradients_are_partial(ranks, tmp_path, name):
     model_type, class_name, entry = GRAD_WRONG[name]
-    path = _copy(tmp_path, name, model_type, entry, "")
+    path = str(edited_copy(tmp_path, name, model_type, entry, "", once=True))
     for r in ranks(2).run(rank_cases.grad_case, path, 0, class_name, False, torch.float64):
         assert r["loss_diff"] <= 1e-9 * max(1.0, r["loss"]), r  # the forward is right without it...
         assert r["worst_rel"] > 1e-2 and "x_proj" in r["worst_name"], r  # ...the gradients are not
@@ -102,17 +89,16 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_at_plan_time():
 def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
     """What the refusal prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
     gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
-    text = source.shipped_files()["mamba2"].read_text().replace("n_groups // tp_size", "per_rank(n_groups)")
+    text = edited("mamba2", "n_groups // tp_size", "per_rank(n_groups)", every=True)
     out_proj = "  - kind: Row\n    module: layers.*.mixer.out_proj\n"
-    assert text.count(out_proj) == 1
-    text = text.replace(out_proj, "  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
-                                  "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n" + out_proj)
+    text = replaced(text, out_proj, "  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
+                                    "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n" + out_proj,
+                    once=True)
     text = text[:text.index("verify:")] + (
         "verify:\n  - name: h8-g1\n"
         "    config: {hidden_size: 64, expand: 2, num_heads: 8, head_dim: 16, n_groups: 1, state_size: 8,\n"
         "             chunk_size: 4, conv_kernel: 4, num_hidden_layers: 2, vocab_size: 256}\n"
         "    models: [Mamba2ForCausalLM]\n    world_sizes: [2]\n")
-    path = tmp_path / "mamba2_replicated_groups.yaml"
-    path.write_text(text)
-    result = _forward(ranks, str(path))
+    path = write_mapping(tmp_path, "mamba2_replicated_groups", text)
+    result = run_case(ranks, first_case(path, 2))
     assert not result.passed and result.rel_diff > 1e-3, result

@@ -1,5 +1,6 @@
-"""engine.planner.build_plan in collecting mode (what `tpmap lint` runs) agrees with raising mode (what
-`tpmap.apply` runs): same first problem, same plan when clean."""
+"""The planning `tpmap lint` runs: engine.plan.build in collecting mode agrees with raising mode (what
+`tpmap.apply` runs: same first problem, same plan when clean); expressions of entries that match
+nothing; the cut default config; a mapping's default_config patches."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,8 @@ from tpmap.spec import source
 from tpmap.engine import planner
 from tpmap.spec.errors import TpmapError
 
+from helpers import edited, edited_copy, mapping_text, replaced
+
 
 def tiny(model_type: str):
     spec = source.for_model_type(model_type).mapping.verify[0]
@@ -19,13 +22,12 @@ def tiny(model_type: str):
 
 
 def broken_llama():
-    text = source.shipped_files()["llama"].read_text()
+    text = mapping_text("llama")
     for old, new in [("module: layers.*.mlp.up_proj", "module: layers.*.mlp.upproj"),
                      ("heads: num_key_value_heads", "heads: num_kv_heads"),
                      ("    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true"),
                      ("num_key_value_groups: per_rank", "num_key_value_group: per_rank")]:
-        assert old in text
-        text = text.replace(old, new, 1)
+        text = replaced(text, old, new)
     return source.load_text(text, "broken.yaml")
 
 
@@ -49,8 +51,8 @@ def test_clean_mapping_gives_the_same_plan_in_both_modes(model_type):
 
 
 def test_check_expressions_covers_entries_that_match_nothing():
-    text = source.shipped_files()["gpt2"].read_text().replace(
-        "  - kind: Row\n    module: h.*.mlp.c_proj\n", "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n")
+    text = edited("gpt2", "  - kind: Row\n    module: h.*.mlp.c_proj\n",
+                  "  - kind: Row\n    module: h.*.mlp.cproj\n    heads: n_heads\n", every=True)
     loaded = source.load_text(text, "g.yaml")
     found = planner.check_expressions(tiny("gpt2").config, loaded)
     line = text.splitlines().index("    heads: n_heads") + 1
@@ -62,7 +64,7 @@ def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
     """Lint cuts the default config to 2 layers, but not below the first layer of each kind in
     `layer_types`: Jamba's first attention layer is layer 4 (a 2-layer cut left its attention entries
     matching nothing)."""
-    from tpmap.lint.rules import reduced_default_config
+    from tpmap.meta import reduced_default_config
 
     jamba = reduced_default_config("jamba")
     assert set(jamba.layer_types) == {"linear_attention", "full_attention"}
@@ -76,9 +78,8 @@ def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     from tpmap.spec import source
     from tpmap.lint import lint_file
 
-    text = source.shipped_files()["dbrx"].read_text()
+    text = mapping_text("dbrx")
     assert lint_file(str(source.shipped_files()["dbrx"])) == []
     line = next(x for x in text.splitlines() if x.startswith("default_config:"))
-    path = tmp_path / "dbrx.yaml"
-    path.write_text(text.replace(line + "\n", ""))
+    path = edited_copy(tmp_path, "dbrx", "dbrx", line + "\n", "", every=True)
     assert [d.rule for d in lint_file(str(path))] == ["model-build"]
