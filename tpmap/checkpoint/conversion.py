@@ -135,9 +135,10 @@ class _Lazy:
 class Reader:
     """Reads model tensors from their checkpoint sources: whole, or one rank's slice of them."""
 
-    def __init__(self, model, sources: dict[str, Source], dtype_of, device, progress=None):
+    def __init__(self, model, sources: dict[str, Source], dtype_of, device, progress=None, fp8=None):
         self.model, self.sources, self.dtype_of, self.device = model, sources, dtype_of, device
         self.progress = progress
+        self.fp8 = fp8  # a tpmap.checkpoint.fp8.Fp8Scales: the stored weights it has scales for are dequantized
         self.expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # full shapes, before sharding
         self.scratch = Scratch()  # blocks of rows; a tensor on its way to another dtype or device
         self._lazy: dict[tuple, _Lazy | None] = {}
@@ -161,6 +162,8 @@ class Reader:
         source, dtype = self.sources[name], self.dtype_of(name)
         if source.converter is None:
             stored = source.stored[0][1]
+            if self.scale_of(stored) is not None:
+                return self._done(self.fp8.read(stored, None, 0, dtype, self.device, self.scratch))
             copy_out = stored.dtype != dtype or self.device.type != "cpu"
             tensor = read_whole(stored.read_into, stored.shape, stored.dtype, self.scratch if copy_out else None)
             return self._done(self._final(tensor, dtype, copy_out))
@@ -173,6 +176,8 @@ class Reader:
         source, dtype = self.sources[name], self.dtype_of(name)
         if source.converter is None:
             stored = source.stored[0][1]
+            if self.scale_of(stored) is not None:
+                return self._done(self.fp8.read(stored, shard, rank, dtype, self.device, self.scratch))
             copy_out = stored.dtype != dtype or self.device.type != "cpu"
             tensor = read_local(stored.read_into, shard, rank, stored.dtype, self.scratch, in_scratch=copy_out)
             return self._done(self._final(tensor, dtype, copy_out))
@@ -192,12 +197,14 @@ class Reader:
         for (_, stored), how in zip(source.stored, lazy.reads):
             if how is None:
                 continue
-            if how == "all":
+            rows = None if how == "all" else ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim,
+                                                        pieces=(how,))
+            if self.scale_of(stored) is not None:  # dequantized before the conversion, as transformers does
+                part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
+            elif rows is None:
                 part = read_whole(stored.read_into, stored.shape, stored.dtype)
             else:
-                part = read_local(stored.read_into,
-                                  ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim, pieces=(how,)), 0,
-                                  stored.dtype, self.scratch)
+                part = read_local(stored.read_into, rows, 0, stored.dtype, self.scratch)
             parts.append(part.to(dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
         out = _convert(Source(source.target, kept, source.converter), parts, self.model)[name]
@@ -210,12 +217,17 @@ class Reader:
             out = torch.cat([out, out.new_zeros(shape)], dim=shard.dim)
         return self._done(out.contiguous())
 
+    def scale_of(self, stored: StoredTensor) -> StoredTensor | None:
+        """The block scales of a quantized stored tensor (None: stored as its values)."""
+        return self.fp8.scale_of(stored) if self.fp8 is not None else None
+
     def _converted(self, name: str) -> torch.Tensor:
         """The whole converted tensor: every stored tensor read whole, the converter run on them."""
         if name in self._outputs:
             return self._outputs.pop(name)
         source, dtype = self.sources[name], self.dtype_of(name)
-        parts = [read_whole(t.read_into, t.shape, t.dtype).to(dtype) for _, t in source.stored]
+        parts = [self.fp8.read(t, None, 0, dtype, torch.device("cpu"), self.scratch) if self.scale_of(t) is not None
+                 else read_whole(t.read_into, t.shape, t.dtype).to(dtype) for _, t in source.stored]
         out = _convert(source, parts, self.model)
         del parts
         for other, tensor in out.items():
@@ -352,9 +364,9 @@ def equal(reader: Reader, a: str, b: str) -> bool:
     sa, sb = reader.sources[a], reader.sources[b]
     if sa.produces.get(a) != sb.produces.get(b):
         return False
-    if sa.converter is not None or sb.converter is not None:
-        return torch.equal(reader.whole(a), reader.whole(b))
     ta, tb = sa.stored[0][1], sb.stored[0][1]
+    if sa.converter is not None or sb.converter is not None or reader.scale_of(ta) or reader.scale_of(tb):
+        return torch.equal(reader.whole(a), reader.whole(b))
     rows = ta.shape[0] if ta.shape else 1
     if not ta.shape:
         return torch.equal(read_whole(ta.read_into, (), ta.dtype).to(reader.dtype_of(a)),

@@ -6,7 +6,9 @@ the meta device under its init context, the conversion mapping, tying, initializ
 the loading report, the generation config); only the reading differs:
 
 1. open the folder (`tpmap.checkpoint.safetensors`): every file's header is checked, nothing read yet;
-2. build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
+2. refuse quantized checkpoints other than FP8 block-scaled ones, whose weights are paired with their scales and
+   dequantized as they are read (`tpmap.checkpoint.fp8`);
+   build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
    and check every shape; tie weights; build the plan (`engine.planner.build_plan`, every mapping check);
    up to here every bad input raises on every rank alike, before any collective;
 3. materialize and initialize what the checkpoint lacks (missing weights, non-persistent buffers such
@@ -28,18 +30,20 @@ from torch import nn
 
 from tpmap import api
 from tpmap.checkpoint import conversion
+from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
 from tpmap.engine.sequence_plan import plan_sequence_parallel
 from tpmap.engine.shard import take
-from tpmap.spec.errors import CheckpointError, LoadError, QuantizedCheckpointError
+from tpmap.spec.errors import CheckpointError, LoadError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
     "device_map": "pass device=... (this rank's device)", "max_memory": "tpmap places each rank's slices itself",
     "offload_folder": "tpmap does not offload", "offload_buffers": "tpmap does not offload",
     "tp_plan": "tpmap's mapping is the plan", "tp_size": "pass world_size=...", "distributed_config": "pass group=...",
-    "device_mesh": "pass group=...", "quantization_config": "quantized checkpoints are not supported",
+    "device_mesh": "pass group=...",
+    "quantization_config": "config.json says how the checkpoint is quantized; FP8 block-scaled weights are dequantized",
     "gguf_file": "tpmap reads safetensors", "state_dict": "load the state dict with apply() instead",
     "use_safetensors": "tpmap reads safetensors only", "ignore_mismatched_sizes": "mismatched shapes are errors",
     "adapter_kwargs": "adapters are not supported", "adapter_name": "adapters are not supported",
@@ -105,7 +109,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
 
     checkpoint = Checkpoint.open(folder, variant)
     config, cls, model_kwargs = _config_and_class(folder, model_class, kwargs, trust_remote_code)
-    _refuse_quantized(folder, config)
+    block = block_size(folder, config)  # None: not quantized; every quantization but FP8 blocks is refused here
+    fp8 = Fp8Scales.take(checkpoint, block) if block is not None else None
     for key, value in implementations.items():
         setattr(config, f"_{key}", value)
     config, dtype = hf_modeling._get_dtype("auto" if dtype is None else dtype, checkpoint.paths, config,
@@ -119,7 +124,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     dtype_of = _dtypes(model, dtype)
 
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
-    reader = conversion.Reader(model, sources, dtype_of, device, progress)
+    reader = conversion.Reader(model, sources, dtype_of, device, progress, fp8)
     _tie(model, reader, hf_modeling.logger)
     plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
@@ -149,6 +154,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     _agree(failure, tp_size, group, device)
 
     model._weight_conversions = [c for c in conversions if c.was_used()]  # save_pretrained reverts these
+    if fp8 is not None and hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # dequantized, as transformers leaves it: saved, a plain checkpoint
     info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
                              conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
     model._adjust_missing_and_unexpected_keys(info)
@@ -161,24 +168,6 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
                                    proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
                                    trust_remote_code=trust_remote_code, **kwargs)
     return (model, info.to_dict()) if output_loading_info else model
-
-
-def _refuse_quantized(folder: Path, config) -> None:
-    """A quantized checkpoint (FP8 blocks with their scales, int8/int4 with zero points, ...) read as plain
-    tensors loads without complaint and computes garbage: refuse every quantization method, naming it,
-    on every rank alike and before any collective."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None))
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    raise QuantizedCheckpointError(
-        f"{folder / 'config.json'} declares a quantization_config with quant_method {method!r}: its weights are "
-        "stored quantized (with scales), and tpmap.from_pretrained does not read quantized checkpoints yet, so "
-        "loading them as plain tensors would compute wrong results. Load it with transformers (which dequantizes or "
-        "runs it quantized) and shard that model with tpmap.apply, or save it unquantized (save_pretrained after "
-        "loading it in a float dtype) and load that folder with tpmap.from_pretrained")
 
 
 def _config_and_class(folder: Path, model_class, kwargs: dict, trust_remote_code):
