@@ -99,13 +99,13 @@ def main() -> None:
             times = {k: [] for k in variants}
             for _ in range(args.runs):
                 for k, f in variants.items():
-                    times[k].append(timed(lambda: f(ids)))
+                    times[k].append(timed(lambda f=f, ids=ids: f(ids)))
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         results[str(shape)] = {"median_ms": med, "after/before": med["after"] / med["before"],
                                "max|diff|": max((o - outs["before"]).abs().max().item() for o in outs.values())}
         if dist.get_rank() == 0:
             cols = "  ".join(f"{k} {v:8.2f} ms" for k, v in med.items())
-            print(f"{str(shape):>9}  {cols}  after/before {med['after'] / med['before']:.3f}  "
+            print(f"{shape!s:>9}  {cols}  after/before {med['after'] / med['before']:.3f}  "
                   f"max|diff| {results[str(shape)]['max|diff|']:.1e}")
     if args.json and dist.get_rank() == 0:
         with open(args.json, "w") as f:

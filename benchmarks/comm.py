@@ -84,7 +84,7 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
             counts["fwd_ar"] += 1
             return
         calls = stack[-1]
-        earlier = {node: level for node, level in calls}
+        earlier = dict(calls)
         reach = _nodes_reachable(input_node[module], set(earlier))
         level = 1 + max((lvl for node, lvl in earlier.items() if node in reach), default=0)
         calls.append((y.grad_fn, level))

@@ -60,11 +60,11 @@ def case(ref: str, class_name: str) -> dict:
     sharded = tpmap.apply(copy.deepcopy(full), ws)
     row = {}
     for name, model in (("unsharded", full), ("tpmap", sharded)):
-        row[f"{name}_forward"] = explain(lambda kw: model.eval()(**kw).logits, inputs)
+        row[f"{name}_forward"] = explain(lambda kw, model=model: model.eval()(**kw).logits, inputs)
         model.train()
-        row[f"{name}_train_dropout"] = explain(lambda kw: loss(model, kw), inputs)
+        row[f"{name}_train_dropout"] = explain(lambda kw, model=model: loss(model, kw), inputs)
         no_dropout_(model)
-        row[f"{name}_train"] = explain(lambda kw: loss(model, kw), inputs)
+        row[f"{name}_train"] = explain(lambda kw, model=model: loss(model, kw), inputs)
         model.eval()
     torch._dynamo.reset()
     with torch.no_grad():

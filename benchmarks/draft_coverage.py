@@ -43,9 +43,9 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
     """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft' (with the drafter's error,
     also when it crashed rather than refused)."""
     from tpmap import draft, verify
+    from tpmap.launch import RankFailure
     from tpmap.spec import source
     from tpmap.spec.errors import TpmapError
-    from tpmap.launch import RankFailure
 
     try:
         text = draft.draft(model_type)

@@ -23,9 +23,9 @@ CASES = [("gpt2", 0, "GPT2LMHeadModel"), ("llama", 0, "LlamaForCausalLM"), ("t5"
 
 
 def rank_check(ref: str, index: int, cls: str) -> dict:
+    import rank_cases
     import torch.distributed as dist
 
-    import rank_cases
     import tpmap
     from tpmap import verify
     from tpmap.engine.shard import take
@@ -35,7 +35,7 @@ def rank_check(ref: str, index: int, cls: str) -> dict:
     cpu_model = verify.build_model(ref, index, cls)
     full = copy.deepcopy(cpu_model).to(device)
     sharded = tpmap.apply(copy.deepcopy(cpu_model), ws).to(device)  # shard on the CPU, then move: the usual order
-    inputs, has_labels = rank_cases.loss_kwargs(full, verify.case_inputs(ref, index, full))
+    inputs, _ = rank_cases.loss_kwargs(full, verify.case_inputs(ref, index, full))
     inputs = {k: v.to(device) for k, v in inputs.items()}
     out_full, out = full(**inputs), sharded(**inputs)
     fwd = (verify.main_output(out) - verify.main_output(out_full)).abs().max().item()
@@ -104,9 +104,11 @@ def main() -> int:
                 failed += not ok
                 r = per_rank[0]
                 print(f"ws{ws} {case[0]:8s} {r['device']:7s} fwd {max(x['fwd_rel'] for x in per_rank):.1e} "
-                      f"grad {max(x['grad_rel'] for x in per_rank):.1e} tokens {all(x['same_tokens'] for x in per_rank)} "
+                      f"grad {max(x['grad_rel'] for x in per_rank):.1e} "
+                      f"tokens {all(x['same_tokens'] for x in per_rank)} "
                       f"dropout-agree {all(x['dropout_ranks_agree'] for x in per_rank)} "
-                      f"fwd ms full {r['ms_full']:.2f} sharded {r['ms_sharded']:.2f}  {'ok' if ok else 'FAIL'}", flush=True)
+                      f"fwd ms full {r['ms_full']:.2f} sharded {r['ms_sharded']:.2f}  {'ok' if ok else 'FAIL'}",
+                      flush=True)
     print(f"{'all ok' if not failed else f'{failed} failed'}")
     return 1 if failed else 0
 

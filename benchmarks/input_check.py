@@ -53,14 +53,15 @@ def measure(runs: int) -> dict:
             model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
             caches[key] = cache
         step = torch.tensor([[42]])
-        for i in range(runs + 3):  # the first 3 rounds warm up and are dropped
+        for _ in range(runs + 3):  # the first 3 rounds warm up and are dropped
             timed("forward_checked", lambda: checked(input_ids=ids, attention_mask=mask))
             timed("forward_unchecked", lambda: unchecked(input_ids=ids, attention_mask=mask))
             timed("hook", lambda: hook(checked, (), {"input_ids": ids, "attention_mask": mask}))
             for key, model in (("checked", checked), ("unchecked", unchecked)):
                 cache = copy.deepcopy(caches[key])
-                timed(f"decode_{key}", lambda: model(input_ids=step, cache=cache, use_cache=True,
-                                                     attention_mask=torch.ones(1, 9, dtype=torch.long)))
+                decode_mask = torch.ones(1, 9, dtype=torch.long)
+                timed(f"decode_{key}", lambda model=model, cache=cache, m=decode_mask: model(
+                    input_ids=step, cache=cache, use_cache=True, attention_mask=m))
     return {k: statistics.median(v[3:]) for k, v in times.items()}
 
 

@@ -96,6 +96,7 @@ def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool
                   compile_backend: str | None = None) -> dict:
     import torch
     import transformers
+
     import tpmap
 
     _, cls_name, _ = MODELS[name]
@@ -132,7 +133,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
             ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
             for _ in range(warmup + args.runs):
                 for key, model in variants.items():
-                    timer(f"forward {batch}x{seq} {key}", lambda: model(input_ids=ids))
+                    timer(f"forward {batch}x{seq} {key}", lambda model=model, ids=ids: model(input_ids=ids))
     eager = {k: m for k, m in variants.items() if k != "tpmap_compiled"}  # generate and training: eager
     causal = cls_name.endswith(("ForCausalLM", "LMHeadModel"))
     if causal:
@@ -145,7 +146,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
                 kwargs["cache_implementation"] = "static"
             for _ in range(1 + args.generate_runs):
                 for key, model in eager.items():
-                    out = timer(f"generate {cache} {key}", lambda: model.generate(prompt, **kwargs))
+                    out = timer(f"generate {cache} {key}", lambda model=model, kw=kwargs: model.generate(prompt, **kw))
                     tokens[(cache, key)] = out[0, prompt.shape[1]:].tolist()
         result["same_tokens"] = {cache: len({tuple(tokens[(cache, k)]) for k in eager}) == 1
                                  for cache in ("dynamic", "static")}
@@ -165,7 +166,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
 
     for _ in range(1 + args.train_runs):
         for key, model in eager.items():
-            timer(f"train {batch}x{seq} {key}", lambda: step(model, optimizers[key]))
+            timer(f"train {batch}x{seq} {key}", lambda model=model, opt=optimizers[key]: step(model, opt))
     seconds = {key: summary(timer.rounds(key, warmup if key.startswith("forward") else 1))
                for key in sorted(timer.times)}  # warm-up rounds dropped
     for key, s in seconds.items():

@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 
 t0 = time.perf_counter()
-import torch  # noqa: E402,F401
-import transformers  # noqa: E402,F401
-import transformers.modeling_utils  # noqa: E402,F401  (transformers imports it lazily, ~1 s, once)
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import transformers.modeling_utils  # noqa: E402  (transformers imports it lazily, ~1 s, once)
 from transformers import AutoConfig  # noqa: E402,F401
 
-from tpmap.spec import source  # noqa: E402
-from tpmap.spec.errors import MappingErrors  # noqa: E402
 from tpmap.lint import collect_files  # noqa: E402
 from tpmap.lint.rules import structural  # noqa: E402
+from tpmap.spec import source  # noqa: E402
+from tpmap.spec.errors import MappingErrors  # noqa: E402
 
 IMPORTS = time.perf_counter() - t0
 

@@ -13,9 +13,9 @@ of MLP 2048). Every rank is a process of a gloo group; before the clock starts i
 and loads a tiny checkpoint of the same model type the same way (so lazy imports are not measured),
 then resets its peak RSS. While it loads, this process samples each rank's /proc/PID/status every
 5 ms (RssAnon, RssFile); the rank itself reports VmHWM (the kernel's peak, anonymous + file-backed),
-its wall time and CPU time (user + system, all its threads: the machine may be shared), /proc/self/io's rchar (bytes passed through read system calls: what tpmap reads; a
-memory-mapped read, transformers' way, shows up as file-backed RSS instead) and the bytes of the
-tensors it keeps.
+its wall time and CPU time (user + system, all its threads: the machine may be shared), /proc/self/io's
+rchar (bytes passed through read system calls: what tpmap reads; a memory-mapped read, transformers'
+way, shows up as file-backed RSS instead) and the bytes of the tensors it keeps.
 
 Target: peak growth <= 1.15 x kept + a fixed allowance (ALLOWANCE_MIB: the interpreter's own
 churn while loading, measured on a tiny checkpoint). `--whole-conversions` measures tpmap's fallback for
@@ -206,8 +206,9 @@ def render(rows: list[dict]) -> str:
             "| wall s | CPU s | read MiB | <= 1.15x kept + 64 MiB |")
     lines = [head, "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['ws']} | {r['method']} | {r['kept']:.0f} | {r['anon']:.0f} | {r['file']:.0f} "
-                     f"| {r['total']:.0f} | {r['ratio']:.2f}x | {r['seconds']:.1f} | {r['cpu']:.1f} | {r['read']:.0f} | "
+        lines.append(f"| {r['model']} | {r['ws']} | {r['method']} | {r['kept']:.0f} | {r['anon']:.0f} "
+                     f"| {r['file']:.0f} | {r['total']:.0f} | {r['ratio']:.2f}x | {r['seconds']:.1f} "
+                     f"| {r['cpu']:.1f} | {r['read']:.0f} | "
                      f"{'yes' if r['target'] else 'no'} |")
     return "\n".join(lines)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import rank_cases
 import torch
 import torch.distributed as dist
 
 import tpmap
 from tpmap import verify
-
-import rank_cases
 
 
 def _breaks(fn, inputs: dict) -> dict:
@@ -30,8 +29,8 @@ def graph_breaks(ref: str, class_name: str) -> dict:
     sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size())
     out = {}
     for name, model in (("unsharded", full), ("tpmap", sharded)):
-        out[f"{name}_forward"] = _breaks(lambda kw: model.eval()(**kw).logits, inputs)
-        out[f"{name}_train"] = _breaks(lambda kw: model.train()(**kw).loss, inputs)
+        out[f"{name}_forward"] = _breaks(lambda kw, model=model: model.eval()(**kw).logits, inputs)
+        out[f"{name}_train"] = _breaks(lambda kw, model=model: model.train()(**kw).loss, inputs)
     torch._dynamo.reset()
     return out
 

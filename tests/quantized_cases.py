@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import transformers
-
 from checkpoint_cases import _CountReads, _differences, _tensors
+
 import tpmap
 from tpmap.checkpoint import fp8
 from tpmap.engine import slice_io

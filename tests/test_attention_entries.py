@@ -5,10 +5,9 @@ errors. The shipped file itself passes the same case (tests/test_forward.py)."""
 from __future__ import annotations
 
 import pytest
+from helpers import edited_copy, first_case, run_case
 
 from tpmap import verify
-
-from helpers import edited_copy, first_case, run_case
 
 # name: (model type, verify config name, world size, text to replace, replacement, what it shows)
 WRONG = {

@@ -10,14 +10,13 @@ import os
 import time
 
 import pytest
+from helpers import edited, mapping_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpmap.lint import lint_file
 from tpmap.spec import source
 from tpmap.spec.errors import MappingError, MappingErrors, TpmapError
-from tpmap.lint import lint_file
-
-from helpers import edited, mapping_text
 
 SHIPPED = source.shipped_files()
 LLAMA = mapping_text("llama")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import test_mappings
+
 from tpmap import catalog, verify
 from tpmap.spec import source
-
-import test_mappings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,8 @@ compiled output equals eager's, seed for seed.
 """
 from __future__ import annotations
 
-import pytest
-
 import compile_cases
+import pytest
 
 pytestmark = pytest.mark.full  # compiling takes minutes
 

@@ -17,9 +17,8 @@ A wrong group (DDP over every rank, or tpmap over the default group) is off by O
 """
 from __future__ import annotations
 
-import pytest
-
 import data_parallel_cases
+import pytest
 
 pytestmark = pytest.mark.full  # 4 ranks per test
 
@@ -41,7 +40,8 @@ STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, 
                          ids=[f"{c[0]}-{c[3]}-{c[4]}-{c[5]}" for c in STEP_CASES])
 def test_ddp_over_dp_of_tpmap_over_tp_equals_one_unsharded_step(ranks, model_type, class_name, overrides,
                                                                 optimizer, dtype, loss, bound):
-    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss)
+    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype,
+                           loss)
     assert [(r["dp"], r["tp"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
         assert r["params"] > 0
@@ -66,7 +66,8 @@ def test_fsdp2_over_dp_of_tpmap_over_tp_equals_unsharded_steps(ranks, model_type
     """fully_shard swaps every parameter for a DTensor (and an unsharded one in forward): tpmap's gradient
     hooks (replicated KV heads, grad_allreduce norms) must follow, or those gradients are wrong by O(1).
     Two steps: the hooks hold on the parameters FSDP2 uses the second time too."""
-    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype, loss,
+    results = ranks(4).run(data_parallel_cases.dp_tp_step_case, model_type, class_name, overrides, optimizer, dtype,
+                           loss,
                            wrap, 2)
     for r in results:
         assert r["worst_rel"] < bound, r

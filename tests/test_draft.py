@@ -7,17 +7,16 @@ import sys
 
 import pytest
 import transformers
+from helpers import run_case
 
 from tpmap import draft, verify
 from tpmap.draft.analysis import blocks_of
 from tpmap.draft.config import build_meta, model_class, tiny_model
 from tpmap.draft.entries import analysis_entries, attribute_candidates
 from tpmap.draft.render import scalar
+from tpmap.lint import lint_file
 from tpmap.spec import source
 from tpmap.spec.errors import DraftError
-from tpmap.lint import lint_file
-
-from helpers import run_case
 
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
 # head-major fused qkv), BERT-style encoders (nested attention scopes, layer-shared weights),

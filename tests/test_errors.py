@@ -3,7 +3,9 @@ numbers, before anything is changed (the model is compared before and after)."""
 from __future__ import annotations
 
 import pytest
+import rank_cases
 import torch
+from helpers import edited, mapping_text
 
 import tpmap
 from tpmap import verify
@@ -18,9 +20,6 @@ from tpmap.spec.errors import (
     TpmapError,
     UnknownModelTypeError,
 )
-
-import rank_cases
-from helpers import edited, mapping_text
 
 
 def fails_cleanly(model_type: str, mapping_text: str | None, world_size: int, error: type, *needles: str):
@@ -82,7 +81,8 @@ def test_pattern_that_matches_nothing():
 
 def test_parameter_matched_by_two_entries():
     text = edited("llama", "module: layers.*.mlp.up_proj", "module: layers.*.mlp.gate_proj")
-    fails_cleanly("llama", text, 1, PatternMatchError, "model.layers.0.mlp.gate_proj.weight is already claimed by entry")
+    fails_cleanly("llama", text, 1, PatternMatchError,
+                  "model.layers.0.mlp.gate_proj.weight is already claimed by entry")
 
 
 def test_missing_config_attribute():
@@ -97,7 +97,8 @@ def test_missing_module_attribute_in_update():
 
 
 def test_reverse_on_a_linear():
-    text = edited("llama", "    module: layers.*.mlp.down_proj", "    module: layers.*.mlp.down_proj\n    reverse: true")
+    text = edited("llama", "    module: layers.*.mlp.down_proj",
+                  "    module: layers.*.mlp.down_proj\n    reverse: true")
     fails_cleanly("llama", text, 1, tpmap.ModuleKindError, "is an nn.Linear", "remove reverse: true")
 
 
@@ -245,7 +246,8 @@ def test_embedding_subclass_that_bypasses_the_lookup_is_refused_at_plan_time():
 
 TIED_HALVES = {"lm_head-only": ("{embedding: false, lm_head: true}", "vocab_parallel.lm_head splits lm_head.weight",
                                 "tied to transformer.wte.weight", "(vocab_parallel.embedding: false)"),
-               "embedding-only": ("{embedding: true, lm_head: false}", "vocab_parallel.embedding splits transformer.wte",
+               "embedding-only": ("{embedding: true, lm_head: false}",
+                                  "vocab_parallel.embedding splits transformer.wte",
                                   "tied to lm_head.weight", "(vocab_parallel.lm_head: false)")}
 
 

@@ -3,12 +3,11 @@ head replication, known-wrong mappings that must be caught, collectives per forw
 from __future__ import annotations
 
 import pytest
+import rank_cases
+from helpers import edited_copy, first_case, run_case
 
 from tpmap import verify
 from tpmap.spec import source
-
-import rank_cases
-from helpers import edited_copy, first_case, run_case
 
 SHIPPED = list(source.shipped_files())
 CASES = verify.cases(SHIPPED)
@@ -45,7 +44,8 @@ def test_head_replication_case_is_covered():
     from transformers import AutoConfig
 
     def kv_heads(case) -> int:
-        config = AutoConfig.for_model(case.model_type, **verify.resolve(case.ref).mapping.verify[case.verify_index].config)
+        spec = verify.resolve(case.ref).mapping.verify[case.verify_index]
+        config = AutoConfig.for_model(case.model_type, **spec.config)
         try:
             return getattr(config, "num_key_value_heads", 99)
         except RuntimeError:  # a per-layer attribute that varies (Gemma 4): not a single count

@@ -4,12 +4,12 @@ forward, wrong gradients or an error); expressions over sub-configs; lint past a
 from __future__ import annotations
 
 import pytest
+import rank_cases
 import torch
 import transformers
-
-import rank_cases
-import tpmap
 from helpers import edited_copy, first_case, mapping_text, replaced, run_case, write_mapping
+
+import tpmap
 from tpmap.spec.source import load_text
 
 DBRX_EXPERTS = """
@@ -92,7 +92,8 @@ DBRX = "dbrx"
 
 def test_moe_experts_without_their_reduce_are_caught(ranks, tmp_path):
     """Each rank's experts output is a partial sum: without the Reduce the logits are wrong."""
-    block = "  - kind: Reduce\n    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n"
+    block = ("  - kind: Reduce\n"
+             "    module: layers.*.mlp.experts  # each rank's output is a partial sum over its slice of I\n")
     path = edited_copy(tmp_path, "mixtral_no_reduce", "mixtral", block, "", every=True)
     result = run_case(ranks, first_case(path, 2))
     assert not result.passed and result.rel_diff > 1e-3, result
@@ -134,7 +135,8 @@ def test_a_wrong_moe_mapping_is_caught(ranks, tmp_path, name):
 def test_when_keeps_dense_entries_off_configs_without_dense_layers(ranks, tmp_path):
     """Qwen3-MoE's dense-MLP entries apply only where mlp_only_layers makes dense layers: without the
     `when`, a config whose layers are all sparse has no module for them, and apply refuses."""
-    path = edited_copy(tmp_path, "qwen3_moe-no-when", "qwen3_moe", "    when: {mlp_only_layers: [[0]]}\n", "", every=True)
+    path = edited_copy(tmp_path, "qwen3_moe-no-when", "qwen3_moe", "    when: {mlp_only_layers: [[0]]}\n", "",
+                       every=True)
     with pytest.raises(Exception, match="pattern matches no module"):
         run_case(ranks, first_case(path, 2, verify_index=0))
 

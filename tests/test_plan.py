@@ -116,7 +116,7 @@ def test_lookup_bypass_reads_every_forward_above_nn_embedding():
 
     class ExplicitSuper(nn.Embedding):
         def forward(self, ids):
-            return super(ExplicitSuper, self).forward(ids) + 1.0
+            return super().forward(ids) + 1.0
 
     def wrapped(f):
         @functools.wraps(f)

@@ -18,11 +18,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import quantized_cases
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-import quantized_cases
 import tpmap
 
 

@@ -5,13 +5,12 @@ collective counts; and every family it cannot run refused with the reason."""
 from __future__ import annotations
 
 import pytest
+import sequence_parallel_cases
 import torch
 
 import tpmap
 from tpmap import verify
 from tpmap.spec import source
-
-import sequence_parallel_cases
 
 GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 # fp64 logits: 1e-6, not ~1e-12, because some transformers norms compute in float32 whatever the dtype

@@ -15,19 +15,19 @@ an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
 from __future__ import annotations
 
 import pytest
+import rank_cases
 import torch
+from helpers import edited, edited_copy, first_case, replaced, run_case, write_mapping
 
 from tpmap.spec import source
 from tpmap.spec.errors import DivisibilityError
-
-import rank_cases
-from helpers import edited, edited_copy, first_case, replaced, run_case, write_mapping
 
 # name: (model type, text of the shipped YAML, replacement)
 FORWARD_WRONG = {
     # the depthwise conv kept whole: its I filters meet the I/ws channels of this rank
     "mamba-conv-not-split": ("mamba", "  - kind: Param\n    module: layers.*.mixer.conv1d\n"
-                             "    params: [weight, bias]          # weight [I, 1, K], bias [I]: one filter per channel\n"
+                             "    params: [weight, bias]          "
+                             "# weight [I, 1, K], bias [I]: one filter per channel\n"
                              "    dim: 0\n", ""),
     # Mamba-2's conv over [x | B | C] split as one block: channels of x paired with filters of B/C
     "mamba2-conv-without-sections": ("mamba2", "    dim: 0\n    sections:\n"
@@ -91,9 +91,9 @@ def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
     gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
     text = edited("mamba2", "n_groups // tp_size", "per_rank(n_groups)", every=True)
     out_proj = "  - kind: Row\n    module: layers.*.mixer.out_proj\n"
-    text = replaced(text, out_proj, "  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
-                                    "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n" + out_proj,
-                    once=True)
+    norm_update = ("  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
+                   "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n")
+    text = replaced(text, out_proj, norm_update + out_proj, once=True)
     text = text[:text.index("verify:")] + (
         "verify:\n  - name: h8-g1\n"
         "    config: {hidden_size: 64, expand: 2, num_heads: 8, head_dim: 16, n_groups: 1, state_size: 8,\n"

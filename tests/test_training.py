@@ -8,21 +8,20 @@ Tolerances (fp32):
   Also in float64, bound 1e-6: transformers' RMSNorms compute in float32 whatever the dtype, so fp64
   runs still carry fp32 rounding there (measured <= 1.2e-7, Qwen3 at world size 4; most <= 1e-12).
 * AdamW, in float64: 3 steps of lr 1e-3 move each parameter by ~3e-3; the gathered parameters must
-  agree within 1e-6 (measured <= 3e-8; without the gradient sum over replicated KV heads: 6e-3). Not fp32: AdamW divides every gradient element by its own
-  magnitude, so rounding noise of near-zero elements (~1e-7) becomes parameter differences of ~1e-4
-  after one step under *any* reordering of sums (measured 8e-5 for Phi-3, 1.3e-3 for T5, whose
-  unscaled attention saturates at init std 0.2) -- a property of AdamW in fp32, not of sharding.
+  agree within 1e-6 (measured <= 3e-8; without the gradient sum over replicated KV heads: 6e-3). Not fp32:
+  AdamW divides every gradient element by its own magnitude, so rounding noise of near-zero elements
+  (~1e-7) becomes parameter differences of ~1e-4 after one step under *any* reordering of sums (measured
+  8e-5 for Phi-3, 1.3e-3 for T5, whose unscaled attention saturates at init std 0.2) -- a property of
+  AdamW in fp32, not of sharding.
 """
 from __future__ import annotations
 
 import pytest
-import torch
-
-from tpmap import verify
-
 import rank_cases
+import torch
 from helpers import edited_copy, mapping_text
 
+from tpmap import verify
 from tpmap.spec import source
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "PartialMappingWarning",
     "PatternMatchError",
     "ProcessGroupError",
+    "QuantizedCheckpointError",
     "SequenceParallelError",
     "TpmapError",
     "UnknownModelTypeError",

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import edited, edited_copy, mapping_text, replaced
 from transformers import AutoConfig
 
-from tpmap.spec import source
 from tpmap.engine import planner
+from tpmap.spec import source
 from tpmap.spec.errors import TpmapError
-
-from helpers import edited, edited_copy, mapping_text, replaced
 
 
 def tiny(model_type: str):
@@ -75,8 +74,8 @@ def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
 def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
     two missing values, without which lint can only report model-build (and checks no world size)."""
-    from tpmap.spec import source
     from tpmap.lint import lint_file
+    from tpmap.spec import source
 
     text = mapping_text("dbrx")
     assert lint_file(str(source.shipped_files()["dbrx"])) == []
