@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fuzzing
 from tpmap import loader
 from tpmap.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
@@ -132,11 +133,13 @@ _FUZZED = st.one_of(*[_mutations(p.read_text()) for p in SHIPPED.values()],
                     _YAML_TREES.map(lambda t: f"a: &a {t}\nb: [*a, *a, *a]\n"))
 
 
-# CI runs a few hundred deterministic examples; TPMAP_FUZZ_EXAMPLES=10000 runs a long campaign locally
+# CI runs a few hundred examples, new ones every run (tests/fuzzing.py: a failure prints the seed that
+# draws them again); TPMAP_FUZZ_EXAMPLES=10000 runs a long campaign locally
 _N = int(os.environ.get("TPMAP_FUZZ_EXAMPLES", "300"))
 
 
-@settings(max_examples=_N, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@fuzzing.seeded
+@settings(max_examples=_N, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_FUZZED)
 def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
     try:
@@ -145,7 +148,8 @@ def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
         assert all(m.position is not None and str(m).startswith("fuzzed.yaml:") for m in e.errors), e
 
 
-@settings(max_examples=max(40, _N // 20), deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@fuzzing.seeded
+@settings(max_examples=max(40, _N // 20), deadline=None, suppress_health_check=list(HealthCheck))
 @given(_FUZZED)
 def test_fuzzed_mappings_lint_to_diagnostics_never_a_traceback(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("fuzz") / "fuzzed.yaml"
