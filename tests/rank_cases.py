@@ -158,37 +158,65 @@ def loss_of(model, inputs: dict, has_labels: bool) -> torch.Tensor:
     return (y * weights).sum() / y.numel()
 
 
-def _grad_report(full, sharded, rank: int) -> dict:
-    """Worst gradient difference, shards against the matching slice of the unsharded gradient.
+# Gradient noise floor, in units of the dtype's eps times the largest gradient of the parameter's module:
+# some gradients are zero in exact arithmetic (a key bias shifts every score of a query equally, so
+# softmax ignores it) and are rounding noise in both models (measured <= 8 eps of their module's scale).
+GRAD_ATOL_EPS = 64
 
-    Relative to max(max|g| of that parameter, 1e-2 x max|g| over all parameters): some gradients are
-    zero in exact arithmetic (a key bias shifts every score of a query equally, so softmax ignores
-    it) and are pure rounding noise in both models; relative to themselves they mean nothing.
+
+def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
+    """Every local gradient against the unsharded gradient, parameter by parameter; a split parameter's
+    against the slice of the independent reference (tests/slicing_reference.py), not the engine's `take`.
+
+    For each parameter p: err = max|got - want|, own = max|want| over this rank's elements, and an
+    absolute floor atol = GRAD_ATOL_EPS * eps(dtype) * (largest |gradient| of p's module, weight and
+    bias alike). ``worst_rel`` is the largest (err - atol) / own: ``worst_rel <= rtol`` means every
+    parameter has ``err <= rtol * own + atol``, so a small gradient is judged at its own scale. Nothing
+    is skipped: a gradient missing on one side counts as zeros. ``checked`` counts the parameters
+    compared (all of them), ``sharded`` names those compared against a reference slice and
+    ``expected_sharded`` the parameters the plan splits (the two must agree); ``reshaped`` names the
+    parameters whose local shape differs from the full one (each must be a sharded one).
     """
-    from tpmap.engine.shard import take
+    import slicing_reference
 
     plan = sharded.tpmap_plan
-    full_grads = {n: p.grad for n, p in full.named_parameters()}
-    global_max = max(g.abs().max().item() for g in full_grads.values() if g is not None)
-    assert global_max == global_max, "the unsharded gradients hold NaN"
-    worst, worst_name, checked = 0.0, "", 0
-    for name, p in sharded.named_parameters():
-        want = full_grads[name]
-        shard = plan.params.get(name)
-        if shard is not None and want is not None:
-            want = take(want, shard, rank)
-        got = p.grad
-        if want is None or got is None:
-            assert (want is None or not want.any()) and (got is None or not got.any()), name
-            continue
-        denom = max(want.abs().max().item(), 1e-2 * global_max)
-        rel = (got - want).abs().max().item() / denom
+    ws = plan.tp_size
+    loaded = mapping if mapping is not None else verify.resolve(plan.model_type)
+    splits = slicing_reference.splits(full, loaded, plan, ws)
+    full_params = dict(full.named_parameters(remove_duplicate=False))
+    module_scale: dict[str, float] = {}
+    for name, p in full_params.items():
+        module = name.rpartition(".")[0]
+        g = p.grad
+        module_scale[module] = max(module_scale.get(module, 0.0), 0.0 if g is None else g.abs().max().item())
+    worst, worst_name, checked, sharded_names, reshaped = 0.0, "", 0, [], []
+    local = list(sharded.named_parameters())
+    for name, p in local:
+        source = full_params[name]
+        if tuple(p.shape) != tuple(source.shape):
+            reshaped.append(name)
+        want = source.grad if source.grad is not None else torch.zeros_like(source)
+        if name in splits:
+            want = splits[name].local(want, ws, rank)
+            if splits[name].dim is not None or splits[name].partial:
+                sharded_names.append(name)
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
         checked += 1
-        if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        if got.shape != want.shape or not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             rel = float("inf")  # a NaN compares false with everything: never let it pass as "no difference"
-        if rel > worst:
+        else:
+            err = (got - want).abs().max().item() if want.numel() else 0.0
+            own = want.abs().max().item() if want.numel() else 0.0
+            atol = GRAD_ATOL_EPS * torch.finfo(want.dtype).eps * module_scale[name.rpartition(".")[0]]
+            rel = 0.0 if err <= atol else (err - atol) / own if own > 0 else float("inf")
+        if rel > worst or not worst_name:
             worst, worst_name = rel, name
-    return {"worst_rel": worst, "worst_name": worst_name, "checked": checked}
+    names = {n for n, _ in local}
+    expected = sorted({n for shard in plan.params.values() if shard.holder == "parameter" and (shard.dim is not None
+                                                                                                 or shard.partial)
+                       for n in (shard.name, *shard.aliases) if n in names})
+    return {"worst_rel": worst, "worst_name": worst_name, "checked": checked, "params": len(local),
+            "sharded": sorted(sharded_names), "expected_sharded": expected, "reshaped": sorted(reshaped)}
 
 
 def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
@@ -214,7 +242,7 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
         sharded.train()
     loss_sharded = loss_of(sharded, inputs, has_labels)
     loss_sharded.backward()
-    report = _grad_report(full, sharded, rank)
+    report = _grad_report(full, sharded, rank, verify.resolve(ref))
     report["loss_diff"] = abs(loss_full.item() - loss_sharded.item())
     report["loss"] = loss_full.item()
     return report
@@ -381,7 +409,7 @@ def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
     loss.backward()
     return {"path": path, "refusal": refusal, "loss_diff": abs(loss.item() - out_full.loss.item()),
             "loss": out_full.loss.item(),
-            "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size, **_grad_report(full, sharded, rank)}
+            "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size, **_grad_report(full, sharded, rank, verify.resolve(ref))}
 
 
 def mismatched_inputs_case(ref: str, class_name: str) -> dict:
@@ -589,11 +617,65 @@ def unsharded_fp64_error(ref: str, verify_index: int, class_name: str) -> str | 
     return None
 
 
+def expected_share(ref: str, verify_index: int, class_name: str) -> dict:
+    """What this rank should hold, from the unsharded model and the mapping, never from a sharded model:
+    ``expected_local`` parameters (each split tensor's reference slice, tests/slicing_reference.py; the
+    items of a ModuleList dealt out to other ranks absent; every other parameter whole), and
+    ``whole_in_blocks``, the nn.Linear / Conv1D / nn.Embedding modules inside the repeated blocks that
+    stay whole without a `replicated` pattern of the mapping keeping them so (a mapping that silently
+    keeps most of a model whole still makes it smaller, and passes a plain `local < full`)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    import slicing_reference
+    from tpmap.engine.plan import base_prefix, match
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    loaded = verify.resolve(ref)
+    full = verify.build_model(ref, verify_index, class_name)
+    plan = tpmap.plan(full, ws, mapping=loaded)
+    splits = slicing_reference.splits(full, loaded, plan, ws)
+    absent = []  # ModuleList items dealt to other ranks
+    for name, split in splits.items():
+        if split.dim is not None and isinstance(_get(full, name), nn.ModuleList):
+            held = set(slicing_reference.held(split.layout, ws, rank))
+            absent += [f"{name}.{i}." for i in range(split.layout.size) if i not in held]
+    local = 0
+    for name, p in full.named_parameters():
+        if any(name.startswith(a) for a in absent):
+            continue
+        split = splits.get(name)
+        local += split.local_numel(p.shape, ws, rank) if split is not None else p.numel()
+    base_model, prefix = base_prefix(full)
+    modules = dict(base_model.named_modules())
+    lists: list[str] = []  # the outermost ModuleLists: their items are the repeated blocks
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and name and not any(name.startswith(q + ".") for q in lists):
+            lists.append(name)
+    kept = {n for pattern in loaded.mapping.replicated_patterns for n in match(pattern, modules)}
+    whole = []
+    for name, module in modules.items():
+        parts = name.split(".")
+        if (not isinstance(module, (nn.Linear, Conv1D, nn.Embedding)) or not any(name.startswith(q + ".") for q in lists)
+                or any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1))):
+            continue
+        split = splits.get(f"{prefix}{name}.weight")
+        if split is None or (split.dim is None and not split.partial):
+            whole.append(prefix + name)
+    return {"expected_local": local, "full": sum(p.numel() for p in full.parameters()), "whole_in_blocks": whole}
+
+
+def _get(model: torch.nn.Module, name: str):
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
 def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool) -> dict:
     """Everything CI proves for one (mapping, verify config, class) at this world size, in one round trip
-    to the ranks: the forward against the unsharded model (always); per-shard gradients in fp32 and fp64
-    and greedy generate (dynamic cache) where asked."""
-    out = {"forward": verify.forward_case(ref, verify_index, class_name)}
+    to the ranks: the forward against the unsharded model and this rank's expected parameter share
+    (always); per-shard gradients in fp32 and fp64 and greedy generate (dynamic cache) where asked."""
+    out = {"forward": verify.forward_case(ref, verify_index, class_name),
+           "share": expected_share(ref, verify_index, class_name)}
     if training:
         out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32)
         if "grad_fp64" in verify.resolve(ref).mapping.verify[verify_index].not_checked:

@@ -100,8 +100,8 @@ def local_slice(full: torch.Tensor, dim: int, layout: Layout, ws: int, rank: int
 # -- layouts of a model's parameters, from its mapping ------------------------------------------------
 @dataclass(frozen=True)
 class Split:
-    """How a mapping says one tensor of a model is spread: split along `dim` by `layout`, or `partial`
-    (whole on rank 0, zeros elsewhere)."""
+    """How a mapping says one tensor of a model is spread: split along `dim` by `layout`, whole on every
+    rank (`dim` None: a Row's bias), or `partial` (whole on rank 0, zeros elsewhere)."""
 
     dim: int | None
     layout: Layout | None
@@ -110,10 +110,12 @@ class Split:
     def local(self, full: torch.Tensor, ws: int, rank: int) -> torch.Tensor:
         if self.partial:
             return full.detach().clone() if rank == 0 else torch.zeros_like(full.detach())
+        if self.dim is None:
+            return full.detach().clone()
         return local_slice(full, self.dim, self.layout, ws, rank)
 
     def local_numel(self, full_shape, ws: int, rank: int) -> int:
-        if self.partial:
+        if self.partial or self.dim is None:
             return int(torch.Size(full_shape).numel())
         shape = list(full_shape)
         shape[self.dim] = local_length(self.layout, ws, rank)
