@@ -360,12 +360,13 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
     pad = pad if pad is not None else 0
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     if full.main_input_name == "input_ids":
-        gen = torch.Generator().manual_seed(11)
+        gen = torch.Generator().manual_seed(verify.stable_seed(f"{ref}/{verify_index}/generate"))
         prompt = torch.randint(3, cfg.get_text_config().vocab_size, (2, 7), generator=gen)  # Fuyu: text_config
         mask = torch.ones_like(prompt)
         if not encoder_decoder:
-            prompt[1, :3] = 0  # left padding
-            mask[1, :3] = 0
+            mask[1, :3] = 0  # left padding
+        prompt = verify.place_ids(prompt, verify.boundary_ids(full, (ws,)), gen, mask)  # prompts on shard boundaries
+        prompt[mask == 0] = 0
         kwargs["attention_mask"] = mask
     else:
         prompt = verify.case_inputs(ref, verify_index, full)[full.main_input_name]

@@ -93,12 +93,10 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             f"{type(model).__name__}'s main input is {main!r}, whose shape tpmap cannot derive; declare it in the "
             f"verify config, e.g. inputs: {{{main}: {{shape: [batch, ...], kind: float}}}}"
         )
-    avoid = special_ids(config)
 
     def ids(name: str, shape: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.randint(3, vocab, shape, generator=gen)
-        rows = embedding_rows(model, decoder=name.startswith("decoder_"), default=vocab)
-        return place_ids(out, [i for i in vocab_boundaries(rows, world_sizes) if i >= 3 and i not in avoid], gen, mask)
+        return place_ids(out, boundary_ids(model, world_sizes, decoder=name.startswith("decoder_")), gen, mask)
 
     inputs = {}
     if main == "input_ids":
@@ -144,6 +142,17 @@ def vocab_boundaries(vocab: int, world_sizes) -> list[int]:
         for start in range(0, vocab, per):
             out |= {start, min(start + per, vocab) - 1}
     return sorted(out)
+
+
+def boundary_ids(model, world_sizes=(2, 3, 4), decoder: bool = False) -> list[int]:
+    """The vocabulary-shard boundaries (`vocab_boundaries`) of the embedding reading `model`'s input ids (its
+    decoder's with `decoder`) at `world_sizes`, without ids below 3 and the config's special token ids."""
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    rows = embedding_rows(model, decoder=decoder, default=vocab)
+    if rows is None:
+        return []
+    avoid = special_ids(model.config)
+    return [i for i in vocab_boundaries(rows, world_sizes) if i >= 3 and i not in avoid]
 
 
 def special_ids(config) -> set[int]:
