@@ -4,8 +4,11 @@ for the first config at world sizes 2 and 4 also per-shard gradients (fp32 and f
 generate for classes that generate. One rank round trip per (mapping, config, class, world size),
 so a new mapping is proven by adding its YAML file.
 
-Gradient tolerances, as in tests/test_training.py: fp32 1e-4 and fp64 1e-6 relative (transformers'
-norms compute in float32 whatever the dtype, so fp64 runs keep fp32 rounding there, measured <= 8e-7);
+Gradient tolerances: fp32 1e-4 and fp64 2e-6 relative, per parameter at its own scale, above a noise floor
+of 64 eps of its module's largest gradient (rank_cases._grad_report). Transformers' norms compute in
+float32 whatever the dtype, so fp64 runs keep fp32 rounding there: measured up to 1.01e-6 (OLMoE's
+k_norm at world size 2; each mapping draws its own example ids), hence 2e-6 here against
+tests/test_training.py's 1e-6 on a few fixed cases;
 T5-style unscaled attention saturates at init std 0.2 and gets 1e-3 in fp32.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from tpmap import loader, verify
 import rank_cases
 
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
-GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 1e-6}
+GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # fp32 rounding amplified, the fp64 check (1e-6) still exact: T5's unscaled attention (see test_training.py);
 # Reformer's reversible layers recompute activations in backward, from sums rounded in another order
 # (measured 1.07e-4 at ws 2; fp64 ~1e-13)
