@@ -170,8 +170,9 @@ def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
 
     For each parameter p: err = max|got - want|, own = max|want| over this rank's elements, and an
     absolute floor atol = GRAD_ATOL_EPS * eps(dtype) * (largest |gradient| of p's module, weight and
-    bias alike). ``worst_rel`` is the largest (err - atol) / own: ``worst_rel <= rtol`` means every
-    parameter has ``err <= rtol * own + atol``, so a small gradient is judged at its own scale. Nothing
+    bias alike). ``rels`` holds each parameter's (err - atol) / own, ``worst_rel`` the largest:
+    ``worst_rel <= rtol`` means every parameter has ``err <= rtol * own + atol``, so a small gradient
+    is judged at its own scale (and a wrong one upstream of a wrong one may be the worst). Nothing
     is skipped: a gradient missing on one side counts as zeros. ``checked`` counts the parameters
     compared (all of them), ``sharded`` names those compared against a reference slice and
     ``expected_sharded`` the parameters the plan splits (the two must agree); ``reshaped`` names the
@@ -189,7 +190,7 @@ def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
         module = name.rpartition(".")[0]
         g = p.grad
         module_scale[module] = max(module_scale.get(module, 0.0), 0.0 if g is None else g.abs().max().item())
-    worst, worst_name, checked, sharded_names, reshaped = 0.0, "", 0, [], []
+    worst, worst_name, checked, sharded_names, reshaped, rels = 0.0, "", 0, [], [], {}
     local = list(sharded.named_parameters())
     for name, p in local:
         source = full_params[name]
@@ -209,6 +210,7 @@ def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
             own = want.abs().max().item() if want.numel() else 0.0
             atol = GRAD_ATOL_EPS * torch.finfo(want.dtype).eps * module_scale[name.rpartition(".")[0]]
             rel = 0.0 if err <= atol else (err - atol) / own if own > 0 else float("inf")
+        rels[name] = rel
         if rel > worst or not worst_name:
             worst, worst_name = rel, name
     names = {n for n, _ in local}
@@ -216,7 +218,7 @@ def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
                                                                                                  or shard.partial)
                        for n in (shard.name, *shard.aliases) if n in names})
     return {"worst_rel": worst, "worst_name": worst_name, "checked": checked, "params": len(local),
-            "sharded": sorted(sharded_names), "expected_sharded": expected, "reshaped": sorted(reshaped)}
+            "sharded": sorted(sharded_names), "expected_sharded": expected, "reshaped": sorted(reshaped), "rels": rels}
 
 
 def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
