@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fuzzing
 from tpmap import loader
 from tpmap.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
+
+import fuzzing
 
 SHIPPED = loader.shipped_files()
 LLAMA = SHIPPED["llama"].read_text()

@@ -22,12 +22,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import fuzzing
-import slicing_reference as ref
 from tpmap.engine import load
 from tpmap.engine.pieces import split_groups, split_sections, vocab_pieces
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import assemble, take
+
+import fuzzing
+import slicing_reference as ref
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
