@@ -35,6 +35,7 @@ ReadInto = Callable[[memoryview, int], None]
 
 GAP_BYTES = 64 << 10  # runs closer together than this are read as whole rows, gaps included
 BLOCK_BYTES = 16 << 20  # at most this much of a tensor's rows at a time
+BLOCK_ROWS: int | None = None  # tests: blocks of at most this many rows, rows of any size (None: by BLOCK_BYTES)
 
 
 def runs(full_shape: tuple[int, ...], dim: int, pieces, local_dim: int | None = None) -> list[tuple[int, int, int]]:
@@ -119,7 +120,7 @@ def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.d
     todo = runs(shard.full_shape, dim, pieces, local_dim)
     gap = max((b[0] - a[0] - a[2] for a, b in pairwise(todo)), default=0) * item
     row_bytes = math.prod(shard.full_shape[dim:]) * item
-    if len(todo) > 1 and gap < GAP_BYTES and row_bytes <= BLOCK_BYTES:
+    if len(todo) > 1 and gap < GAP_BYTES and (row_bytes <= BLOCK_BYTES or BLOCK_ROWS):
         _read_in_blocks(read_into, shard.full_shape, dim, pieces, out, scratch)
     else:
         dst = _bytes(out)
@@ -133,7 +134,7 @@ def _read_in_blocks(read_into: ReadInto, full_shape, dim: int, pieces, out: torc
     outer = math.prod(full_shape[:dim])
     size, inner = full_shape[dim], math.prod(full_shape[dim + 1:])
     row_bytes = size * inner * out.element_size()
-    rows_per_block = max(1, BLOCK_BYTES // row_bytes)
+    rows_per_block = BLOCK_ROWS or max(1, BLOCK_BYTES // row_bytes)
     local = out.view(outer, out.shape[dim], inner)
     block = scratch.tensor("block", (min(rows_per_block, outer), size, inner), out.dtype)
     for first in range(0, outer, rows_per_block):

@@ -39,8 +39,9 @@ def _differences(want: dict, got: dict) -> list[str]:
     out = sorted(want.keys() ^ got.keys())
     for name in sorted(want.keys() & got.keys()):
         a, b = want[name], got[name]
-        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device or not torch.equal(
-                a.reshape(-1).view(torch.uint8) if a.numel() else a, b.reshape(-1).view(torch.uint8) if b.numel() else b):
+        a_bytes = a.reshape(-1).view(torch.uint8) if a.numel() else a
+        b_bytes = b.reshape(-1).view(torch.uint8) if b.numel() else b
+        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device or not torch.equal(a_bytes, b_bytes):
             out.append(name)
     return out
 
@@ -51,35 +52,76 @@ def _tensors(model: torch.nn.Module) -> dict:
 
 
 def from_pretrained_equals_apply(folder: str, class_names: list[str], dtype: str | None = None,
-                                 gap_bytes: int | None = None, **hf_kwargs) -> dict:
+                                 gap_bytes: int | None = None, block_rows: int | None = None, **hf_kwargs) -> dict:
     """For each class: tpmap.from_pretrained against tpmap.apply on the model transformers loads, bit for bit
-    (parameters, buffers, ties, generation config, loading info); and the bytes each rank read.
-    `gap_bytes`: engine.load.GAP_BYTES for this call (0: every run read on its own, no gaps read)."""
+    (parameters, buffers, ties, generation config, loading info), and against the independent reference's
+    slices of that unsharded model (tests/slicing_reference.py: neither the plan's pieces nor `take`); the
+    bytes each rank read, and the blocks of rows read (``block_tensors`` tensors in ``blocks`` blocks).
+    `gap_bytes`: engine.slice_io.GAP_BYTES for this call (0: every run read on its own, no gaps read);
+    `block_rows`: engine.slice_io.BLOCK_ROWS (blocks of that many rows, so small tensors span many blocks)."""
     from tpmap.engine import slice_io
 
     ws = dist.get_world_size() if dist.is_initialized() else 1
     torch_dtype = getattr(torch, dtype) if dtype else None
-    saved = slice_io.GAP_BYTES
-    slice_io.GAP_BYTES = saved if gap_bytes is None else gap_bytes
+    saved = slice_io.GAP_BYTES, slice_io.BLOCK_ROWS, slice_io._read_in_blocks
+    counts = {"block_tensors": 0, "blocks": 0}
+
+    def counting(read_into, *args):
+        counts["block_tensors"] += 1
+
+        def read(buffer, offset):
+            counts["blocks"] += 1
+            read_into(buffer, offset)
+
+        return saved[2](read, *args)
+
+    slice_io.GAP_BYTES = saved[0] if gap_bytes is None else gap_bytes
+    slice_io.BLOCK_ROWS, slice_io._read_in_blocks = block_rows, counting
     try:
-        return {name: _equals_apply(folder, name, torch_dtype, ws, hf_kwargs) for name in class_names}
+        out = {}
+        for name in class_names:
+            counts.update(block_tensors=0, blocks=0)
+            out[name] = {**_equals_apply(folder, name, torch_dtype, ws, hf_kwargs), **counts}
+        return out
     finally:
-        slice_io.GAP_BYTES = saved
+        slice_io.GAP_BYTES, slice_io.BLOCK_ROWS, slice_io._read_in_blocks = saved
+
+
+def _reference(full: torch.nn.Module, ws: int) -> dict:
+    """Every parameter and buffer of `full` (unsharded) as this rank should hold it: the independent
+    reference's slice of each tensor the mapping splits, every other tensor as it is."""
+    import slicing_reference
+
+    tensors = _tensors(full)
+    if ws == 1:
+        return {k: v.detach().clone() for k, v in tensors.items()}
+    loaded = tpmap.load_mapping(full)
+    splits = slicing_reference.splits(full, loaded, tpmap.plan(full, ws, mapping=loaded), ws)
+    rank = dist.get_rank()
+    return {k: splits[k].local(v, ws, rank) if k in splits else v.detach().clone() for k, v in tensors.items()}
 
 
 def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict) -> dict:
-    """One class: both loads, compared; the bytes tpmap read and the bytes the rank keeps."""
+    """One class: both loads, compared; the reference slices of the unsharded load; the bytes tpmap read and
+    the bytes the rank keeps."""
     cls = getattr(transformers, name)
     torch.manual_seed(0)  # missing weights are drawn from the same stream in both
     full, info_hf = cls.from_pretrained(folder, dtype=torch_dtype, output_loading_info=True, **hf_kwargs)
+    reference = _reference(full, ws)
     want = tpmap.apply(full, ws)
     torch.manual_seed(0)
     with _CountReads() as reads:
         got, info = tpmap.from_pretrained(folder, model_class=name, dtype=torch_dtype, output_loading_info=True,
                                           **hf_kwargs)
+    mine = _tensors(got)
     ties = lambda m: sorted(sorted(ns) for ns in _tie_groups(m) if len(ns) > 1)  # noqa: E731
     return {
-        "differ": _differences(_tensors(want), _tensors(got)),
+        "differ": _differences(_tensors(want), mine),
+        # against the reference: every tensor both hold (the sharded model adds index buffers, and drops
+        # the ModuleList items of other ranks)
+        "differ_reference": _differences({k: v for k, v in reference.items() if k in mine},
+                                         {k: v for k, v in mine.items() if k in reference}),
+        "compared_reference": len(reference.keys() & mine.keys()),
         "ties_equal": ties(want) == ties(got),
         "info_equal": {k: sorted(map(str, v)) for k, v in info.items()} == {
             k: sorted(map(str, v)) for k, v in info_hf.items()},
@@ -212,7 +254,9 @@ def loss_parallel_loss(folder: str) -> dict:
     ws = dist.get_world_size()
     want = tpmap.apply(transformers.LlamaForCausalLM.from_pretrained(folder), ws, loss_parallel=True).train()
     got = tpmap.from_pretrained(folder, loss_parallel=True).train()
-    ids = torch.randint(3, want.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, want.config.vocab_size, (2, 9), generator=gen)
+    ids = verify.place_ids(ids, verify.boundary_ids(want, (ws,)), gen)  # labels on the shard boundaries too
     out_want, out_got = want(input_ids=ids, labels=ids), got(input_ids=ids, labels=ids)
     return {"same_loss": torch.equal(out_want.loss, out_got.loss), "local_vocab": out_got.logits.shape[-1],
             "vocab": want.config.vocab_size}

@@ -64,9 +64,8 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
 
     Returns the worst relative difference of the parameter *updates* (after `steps` - before): this rank's
     shard of every parameter against the same slice of the unsharded update."""
+    import slicing_reference
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from tpmap.engine.shard import take
 
     dtype = getattr(torch, dtype_name)
     mesh = mesh_2x2()
@@ -75,6 +74,7 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
     before = {n: p.detach().clone() for n, p in full.named_parameters()}
     gen = torch.Generator().manual_seed(3)
     batch = torch.randint(3, full.config.vocab_size, (4, 12), generator=gen)  # no padding: equal token counts
+    batch = verify.place_ids(batch, verify.boundary_ids(full, (mesh["tp"].size(),)), gen)  # ids on shard boundaries
     half = batch[2 * dp_rank: 2 * dp_rank + 2]  # (2, 12): this dp replica's share
 
     sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"], loss_parallel=loss_kind == "loss_parallel")
@@ -100,13 +100,14 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
         opt_full.step()
 
     plan = sharded.tpmap_plan
+    splits = slicing_reference.splits(full, tpmap.load_mapping(full), plan, plan.tp_size)  # not the engine's take
     worst, worst_name = 0.0, ""
     for name, p in sharded.named_parameters():
         local = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: the dp shards gathered back
         want, was = full.get_parameter(name).detach(), before[name]
-        shard = plan.params.get(name)
-        if shard is not None:
-            want, was = take(want, shard, tp_rank), take(was, shard, tp_rank)
+        if name in splits:
+            split = splits[name]
+            want, was = split.local(want, plan.tp_size, tp_rank), split.local(was, plan.tp_size, tp_rank)
         got_step, want_step = local.detach() - was, want - was
         rel = (got_step - want_step).abs().max().item() / max(want_step.abs().max().item(), 1e-30)
         if rel > worst:

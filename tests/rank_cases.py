@@ -45,7 +45,8 @@ def apply_error(ref: str, class_name: str, world_size: int | None, mapping_text:
     try:
         tpmap.apply(model, world_size, mapping=mapping, loss_parallel=loss_parallel)
     except ValueError as e:
-        return {"error": type(e).__name__, "message": str(e), "untouched": same_signature(before, state_signature(model))}
+        return {"error": type(e).__name__, "message": str(e),
+                "untouched": same_signature(before, state_signature(model))}
     return {"error": None, "message": "", "untouched": same_signature(before, state_signature(model))}
 
 
@@ -158,37 +159,67 @@ def loss_of(model, inputs: dict, has_labels: bool) -> torch.Tensor:
     return (y * weights).sum() / y.numel()
 
 
-def _grad_report(full, sharded, rank: int) -> dict:
-    """Worst gradient difference, shards against the matching slice of the unsharded gradient.
+# Gradient noise floor, in units of the dtype's eps times the largest gradient of the parameter's module:
+# some gradients are zero in exact arithmetic (a key bias shifts every score of a query equally, so
+# softmax ignores it) and are rounding noise in both models (measured <= 8 eps of their module's scale).
+GRAD_ATOL_EPS = 64
 
-    Relative to max(max|g| of that parameter, 1e-2 x max|g| over all parameters): some gradients are
-    zero in exact arithmetic (a key bias shifts every score of a query equally, so softmax ignores
-    it) and are pure rounding noise in both models; relative to themselves they mean nothing.
+
+def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
+    """Every local gradient against the unsharded gradient, parameter by parameter; a split parameter's
+    against the slice of the independent reference (tests/slicing_reference.py), not the engine's `take`.
+
+    For each parameter p: err = max|got - want|, own = max|want| over this rank's elements, and an
+    absolute floor atol = GRAD_ATOL_EPS * eps(dtype) * (largest |gradient| of p's module, weight and
+    bias alike). ``rels`` holds each parameter's (err - atol) / own, ``worst_rel`` the largest:
+    ``worst_rel <= rtol`` means every parameter has ``err <= rtol * own + atol``, so a small gradient
+    is judged at its own scale (and a wrong one upstream of a wrong one may be the worst). Nothing
+    is skipped: a gradient missing on one side counts as zeros. ``checked`` counts the parameters
+    compared (all of them), ``sharded`` names those compared against a reference slice and
+    ``expected_sharded`` the parameters the plan splits (the two must agree); ``reshaped`` names the
+    parameters whose local shape differs from the full one (each must be a sharded one).
     """
-    from tpmap.engine.shard import take
+    import slicing_reference
 
     plan = sharded.tpmap_plan
-    full_grads = {n: p.grad for n, p in full.named_parameters()}
-    global_max = max(g.abs().max().item() for g in full_grads.values() if g is not None)
-    assert global_max == global_max, "the unsharded gradients hold NaN"
-    worst, worst_name, checked = 0.0, "", 0
-    for name, p in sharded.named_parameters():
-        want = full_grads[name]
-        shard = plan.params.get(name)
-        if shard is not None and want is not None:
-            want = take(want, shard, rank)
-        got = p.grad
-        if want is None or got is None:
-            assert (want is None or not want.any()) and (got is None or not got.any()), name
-            continue
-        denom = max(want.abs().max().item(), 1e-2 * global_max)
-        rel = (got - want).abs().max().item() / denom
+    ws = plan.tp_size
+    loaded = mapping if mapping is not None else verify.resolve(plan.model_type)
+    splits = slicing_reference.splits(full, loaded, plan, ws)
+    full_params = dict(full.named_parameters(remove_duplicate=False))
+    module_scale: dict[str, float] = {}
+    for name, p in full_params.items():
+        module = name.rpartition(".")[0]
+        g = p.grad
+        module_scale[module] = max(module_scale.get(module, 0.0), 0.0 if g is None else g.abs().max().item())
+    worst, worst_name, checked, sharded_names, reshaped, rels = 0.0, "", 0, [], [], {}
+    local = list(sharded.named_parameters())
+    for name, p in local:
+        source = full_params[name]
+        if tuple(p.shape) != tuple(source.shape):
+            reshaped.append(name)
+        want = source.grad if source.grad is not None else torch.zeros_like(source)
+        if name in splits:
+            want = splits[name].local(want, ws, rank)
+            if splits[name].dim is not None or splits[name].partial:
+                sharded_names.append(name)
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
         checked += 1
-        if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        if got.shape != want.shape or not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             rel = float("inf")  # a NaN compares false with everything: never let it pass as "no difference"
-        if rel > worst:
+        else:
+            err = (got - want).abs().max().item() if want.numel() else 0.0
+            own = want.abs().max().item() if want.numel() else 0.0
+            atol = GRAD_ATOL_EPS * torch.finfo(want.dtype).eps * module_scale[name.rpartition(".")[0]]
+            rel = 0.0 if err <= atol else (err - atol) / own if own > 0 else float("inf")
+        rels[name] = rel
+        if rel > worst or not worst_name:
             worst, worst_name = rel, name
-    return {"worst_rel": worst, "worst_name": worst_name, "checked": checked}
+    names = {n for n, _ in local}
+    expected = sorted({n for shard in plan.params.values() if shard.holder == "parameter" and (shard.dim is not None
+                                                                                                 or shard.partial)
+                       for n in (shard.name, *shard.aliases) if n in names})
+    return {"worst_rel": worst, "worst_name": worst_name, "checked": checked, "params": len(local),
+            "sharded": sorted(sharded_names), "expected_sharded": expected, "reshaped": sorted(reshaped), "rels": rels}
 
 
 def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
@@ -214,7 +245,7 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
         sharded.train()
     loss_sharded = loss_of(sharded, inputs, has_labels)
     loss_sharded.backward()
-    report = _grad_report(full, sharded, rank)
+    report = _grad_report(full, sharded, rank, verify.resolve(ref))
     report["loss_diff"] = abs(loss_full.item() - loss_sharded.item())
     report["loss"] = loss_full.item()
     return report
@@ -332,12 +363,13 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
     pad = pad if pad is not None else 0
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     if full.main_input_name == "input_ids":
-        gen = torch.Generator().manual_seed(11)
+        gen = torch.Generator().manual_seed(verify.stable_seed(f"{ref}/{verify_index}/generate"))
         prompt = torch.randint(3, cfg.get_text_config().vocab_size, (2, 7), generator=gen)  # Fuyu: text_config
         mask = torch.ones_like(prompt)
         if not encoder_decoder:
-            prompt[1, :3] = 0  # left padding
-            mask[1, :3] = 0
+            mask[1, :3] = 0  # left padding
+        prompt = verify.place_ids(prompt, verify.boundary_ids(full, (ws,)), gen, mask)  # prompts on shard boundaries
+        prompt[mask == 0] = 0
         kwargs["attention_mask"] = mask
     else:
         prompt = verify.case_inputs(ref, verify_index, full)[full.main_input_name]
@@ -381,7 +413,8 @@ def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
     loss.backward()
     return {"path": path, "refusal": refusal, "loss_diff": abs(loss.item() - out_full.loss.item()),
             "loss": out_full.loss.item(),
-            "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size, **_grad_report(full, sharded, rank)}
+            "local_vocab": logits.shape[-1], "full_vocab": full.config.vocab_size,
+            **_grad_report(full, sharded, rank, verify.resolve(ref))}
 
 
 def mismatched_inputs_case(ref: str, class_name: str) -> dict:
@@ -526,16 +559,18 @@ def partial_mapping_warnings(refs: list[str], class_names: list[str]) -> list[di
             model = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
         share = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in full.parameters())
         out.append({"ref": ref, "share": share,
-                    "messages": [str(w.message) for w in caught if issubclass(w.category, tpmap.PartialMappingWarning)]})
+                    "messages": [str(w.message) for w in caught
+                                 if issubclass(w.category, tpmap.PartialMappingWarning)]})
     return out
 
 
 def meta_apply_error(ref: str, class_name: str) -> dict:
     """apply on a model built on the meta device: a clear error before anything changes."""
-    from transformers import AutoConfig
     import transformers
+    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(verify.resolve(ref).mapping.model_type, **verify.resolve(ref).mapping.verify[0].config)
+    mapping = verify.resolve(ref).mapping
+    config = AutoConfig.for_model(mapping.model_type, **mapping.verify[0].config)
     with torch.device("meta"):
         model = getattr(transformers, class_name)(config)
     classes = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -581,7 +616,7 @@ def unsharded_fp64_error(ref: str, verify_index: int, class_name: str) -> str | 
     try:
         loss = loss_of(full, inputs, has_labels)
         loss.backward()
-    except Exception as e:  # noqa: BLE001 - any failure of transformers' own model is the claim proven
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     bad = [n for n, p in full.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     if not torch.isfinite(loss) or bad:
@@ -589,11 +624,67 @@ def unsharded_fp64_error(ref: str, verify_index: int, class_name: str) -> str | 
     return None
 
 
+def expected_share(ref: str, verify_index: int, class_name: str) -> dict:
+    """What this rank should hold, from the unsharded model and the mapping, never from a sharded model:
+    ``expected_local`` parameters (each split tensor's reference slice, tests/slicing_reference.py; the
+    items of a ModuleList dealt out to other ranks absent; every other parameter whole), and
+    ``whole_in_blocks``, the nn.Linear / Conv1D / nn.Embedding modules inside the repeated blocks that
+    stay whole without a `replicated` pattern of the mapping keeping them so (a mapping that silently
+    keeps most of a model whole still makes it smaller, and passes a plain `local < full`)."""
+    import slicing_reference
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from tpmap.engine.planner import base_prefix
+    from tpmap.spec.patterns import match_modules
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    loaded = verify.resolve(ref)
+    full = verify.build_model(ref, verify_index, class_name)
+    plan = tpmap.plan(full, ws, mapping=loaded)
+    splits = slicing_reference.splits(full, loaded, plan, ws)
+    absent = []  # ModuleList items dealt to other ranks
+    for name, split in splits.items():
+        if split.dim is not None and isinstance(_get(full, name), nn.ModuleList):
+            held = set(slicing_reference.held(split.layout, ws, rank))
+            absent += [f"{name}.{i}." for i in range(split.layout.size) if i not in held]
+    local = 0
+    for name, p in full.named_parameters():
+        if any(name.startswith(a) for a in absent):
+            continue
+        split = splits.get(name)
+        local += split.local_numel(p.shape, ws, rank) if split is not None else p.numel()
+    base_model, prefix = base_prefix(full)
+    modules = dict(base_model.named_modules())
+    lists: list[str] = []  # the outermost ModuleLists: their items are the repeated blocks
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and name and not any(name.startswith(q + ".") for q in lists):
+            lists.append(name)
+    kept = {n for pattern in loaded.mapping.replicated_patterns for n in match_modules(pattern, modules)}
+    whole = []
+    for name, module in modules.items():
+        parts = name.split(".")
+        if (not isinstance(module, (nn.Linear, Conv1D, nn.Embedding))
+                or not any(name.startswith(q + ".") for q in lists)
+                or any(".".join(parts[:k]) in kept for k in range(1, len(parts) + 1))):
+            continue
+        split = splits.get(f"{prefix}{name}.weight")
+        if split is None or (split.dim is None and not split.partial):
+            whole.append(prefix + name)
+    return {"expected_local": local, "full": sum(p.numel() for p in full.parameters()), "whole_in_blocks": whole}
+
+
+def _get(model: torch.nn.Module, name: str):
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
 def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool) -> dict:
     """Everything CI proves for one (mapping, verify config, class) at this world size, in one round trip
-    to the ranks: the forward against the unsharded model (always); per-shard gradients in fp32 and fp64
-    and greedy generate (dynamic cache) where asked."""
-    out = {"forward": verify.forward_case(ref, verify_index, class_name)}
+    to the ranks: the forward against the unsharded model and this rank's expected parameter share
+    (always); per-shard gradients in fp32 and fp64 and greedy generate (dynamic cache) where asked."""
+    out = {"forward": verify.forward_case(ref, verify_index, class_name),
+           "share": expected_share(ref, verify_index, class_name)}
     if training:
         out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32)
         if "grad_fp64" in verify.resolve(ref).mapping.verify[verify_index].not_checked:
@@ -614,7 +705,7 @@ def unsharded_generate_error(ref: str, verify_index: int, class_name: str) -> st
     ids = verify.case_inputs(ref, verify_index, full)["input_ids"]
     try:
         full.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    except Exception as e:  # noqa: BLE001 - any failure of transformers' own generate is the claim proven
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -6,12 +6,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from rank_cases import _grad_report, in_dtype, loss_kwargs, zero_dropout_
 
 import tpmap
 from tpmap import verify
 from tpmap.engine.collectives import counting_collectives
-
-from rank_cases import _grad_report, in_dtype, loss_kwargs, zero_dropout_
 
 
 def _weighted(y: torch.Tensor) -> torch.Tensor:
@@ -66,9 +65,10 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
         declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
-            inputs["decoder_input_ids"] = torch.randint(3, inputs["decoder_input_ids"].max().item() + 1,
-                                                        (2, decoder_seq or seq),
-                                                        generator=torch.Generator().manual_seed(2))
+            gen = torch.Generator().manual_seed(2)
+            inputs["decoder_input_ids"] = verify.place_ids(
+                torch.randint(3, inputs["decoder_input_ids"].max().item() + 1, (2, decoder_seq or seq), generator=gen),
+                verify.boundary_ids(full, (dist.get_world_size(),), decoder=True), gen)  # on the shard boundaries
         inputs, has_labels = loss_kwargs(full, in_dtype(inputs, dtype))
     seen, seen_tp = _block_input_tokens(sp), _block_input_tokens(tp)
     if train or checkpointing:
@@ -110,10 +110,13 @@ def generate_case(ref: str, class_name: str, prompt_len: int = 8, new_tokens: in
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     if full.main_input_name == "input_ids":
         vocab = full.config.get_text_config().vocab_size  # Fuyu: text_config
-        prompt = torch.randint(3, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(11))
+        gen = torch.Generator().manual_seed(11)
+        prompt = torch.randint(3, vocab, (2, prompt_len), generator=gen)
         mask = torch.ones_like(prompt)
         if not getattr(full.config, "is_encoder_decoder", False):
-            prompt[1, :3], mask[1, :3] = pad, 0
+            mask[1, :3] = 0
+        prompt = verify.place_ids(prompt, verify.boundary_ids(full, (dist.get_world_size(),)), gen, mask)
+        prompt[mask == 0] = pad
         kwargs["attention_mask"] = mask
     else:
         declared = verify.resolve(ref).mapping.verify[0].inputs

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import time
 
+import fuzzing
 import pytest
-from helpers import edited, mapping_text
+from helpers import edited
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from tpmap.spec import source
 from tpmap.spec.errors import MappingError, MappingErrors, TpmapError
 
 SHIPPED = source.shipped_files()
-LLAMA = mapping_text("llama")
+LLAMA = SHIPPED["llama"].read_text()
 
 
 def _alias_bomb(levels: int) -> str:
@@ -134,11 +135,13 @@ _FUZZED = st.one_of(*[_mutations(p.read_text()) for p in SHIPPED.values()],
                     _YAML_TREES.map(lambda t: f"a: &a {t}\nb: [*a, *a, *a]\n"))
 
 
-# CI runs a few hundred deterministic examples; TPMAP_FUZZ_EXAMPLES=10000 runs a long campaign locally
+# CI runs a few hundred examples, new ones every run (tests/fuzzing.py: a failure prints the seed that
+# draws them again); TPMAP_FUZZ_EXAMPLES=10000 runs a long campaign locally
 _N = int(os.environ.get("TPMAP_FUZZ_EXAMPLES", "300"))
 
 
-@settings(max_examples=_N, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@fuzzing.seeded
+@settings(max_examples=_N, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_FUZZED)
 def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
     try:
@@ -147,7 +150,8 @@ def test_fuzzed_mappings_load_to_a_mapping_or_a_located_error(text):
         assert all(m.position is not None and str(m).startswith("fuzzed.yaml:") for m in e.errors), e
 
 
-@settings(max_examples=max(40, _N // 20), deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@fuzzing.seeded
+@settings(max_examples=max(40, _N // 20), deadline=None, suppress_health_check=list(HealthCheck))
 @given(_FUZZED)
 def test_fuzzed_mappings_lint_to_diagnostics_never_a_traceback(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("fuzz") / "fuzzed.yaml"

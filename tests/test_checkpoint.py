@@ -2,10 +2,12 @@
 
 * Loading: each rank's parameters and buffers are bit-identical to `tpmap.apply` on the model
   transformers' `from_pretrained` loads (ties, missing weights initialized from the same seed,
-  unexpected keys, generation config and loading info alike), from a checkpoint sharded into many
-  files, at world sizes 2 and 4 (the first verify config of each mapping; a mapping added later is
-  tested by being shipped). At 4, every run is read on its own and each rank reads no more bytes
-  than it keeps: only its slices.
+  unexpected keys, generation config and loading info alike), and to the independent reference's
+  slices of that unsharded model (tests/slicing_reference.py: apply shares the plan with the loader),
+  from a checkpoint sharded into many files, at world sizes 2 and 4 (the first verify config of each
+  mapping; a mapping added later is tested by being shipped). At 2, rows are read in blocks of a few
+  rows, and one checkpoint holds a tensor larger than a default block; at 4, every run is read on its
+  own and each rank reads no more bytes than it keeps: only its slices.
 * Saving: apply -> tpmap.save_pretrained writes the files transformers' save_pretrained writes for the
   unsharded model, loads back bit-identical with plain transformers, and tpmap.from_pretrained at
   another world size gives the unsharded logits.
@@ -18,12 +20,12 @@ import json
 import os
 from pathlib import Path
 
+import checkpoint_cases as cases
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import checkpoint_cases as cases
 import tpmap
 from tpmap import verify
 from tpmap.spec import source
@@ -38,6 +40,9 @@ def _shipped() -> list[tuple[str, int]]:
 
 
 SHIPPED = _shipped()
+# mappings that split no tensor along a dim after its first (no Row, no fused experts): every slice is
+# one run, never read in blocks of rows
+ONE_RUN_SLICES = {"squeezebert"}
 MODEL_TYPES = list(dict.fromkeys(m for m, _ in SHIPPED))
 
 
@@ -64,16 +69,39 @@ def _classes(model_type: str) -> list[str]:
 
 @pytest.mark.parametrize("model_type,ws", SHIPPED, ids=lambda v: v if isinstance(v, str) else f"ws{v}")
 def test_from_pretrained_equals_apply_on_the_loaded_model(ranks, checkpoint, model_type, ws):
-    gap = 0 if ws == 4 else None  # at 4: run by run, so the bytes read are exactly the slices
+    """At 2, rows with small gaps are read in blocks of 5 rows (tiny tensors would fit one 16 MiB block,
+    where a wrong block offset never shows); at 4, run by run, so the bytes read are exactly the slices."""
+    gap, rows = (0, None) if ws == 4 else (None, 5)
     per_rank = ranks(ws).run(cases.from_pretrained_equals_apply, str(checkpoint(model_type)), _classes(model_type),
-                             gap_bytes=gap)
+                             gap_bytes=gap, block_rows=rows)
     for rank, results in enumerate(per_rank):
         for cls, r in results.items():
             assert r["differ"] == [], (rank, cls, r["differ"][:5])
+            assert r["differ_reference"] == [] and r["compared_reference"], (rank, cls, r["differ_reference"][:5])
             assert r["ties_equal"] and r["generation_equal"] and not r["training"], (rank, cls)
             assert r["info_equal"], (rank, cls, r["info"])
             if ws == 4:
                 assert 0 < r["read"] <= r["kept"], (rank, cls, r["read"], r["kept"])
+            elif model_type not in ONE_RUN_SLICES:  # the block path ran, over several blocks per tensor
+                assert r["blocks"] > r["block_tensors"] > 0, (rank, cls, r["blocks"], r["block_tensors"])
+
+
+def test_a_checkpoint_larger_than_a_block(ranks, tmp_path):
+    """A down_proj of 17 MB, more than one default 16 MiB block, whose rows (66 KB) are read whole with
+    their gaps at world size 2: two blocks, the second at a byte offset past the first. Default block size."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from tpmap.engine import slice_io
+
+    config = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=16896, num_attention_heads=4,
+                                  num_key_value_heads=2, num_hidden_layers=1, vocab_size=256)
+    assert slice_io.BLOCK_BYTES < 256 * 16896 * 4  # down_proj [256, 16896] fp32
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for results in ranks(2).run(cases.from_pretrained_equals_apply, str(tmp_path), ["LlamaForCausalLM"]):
+        r = results["LlamaForCausalLM"]
+        assert r["differ"] == [] and r["differ_reference"] == [], (r["differ"], r["differ_reference"])
+        assert r["block_tensors"] >= 2 and r["blocks"] > r["block_tensors"], r  # o_proj in 1 block, down_proj in 2
 
 
 def test_missing_and_unexpected_keys_are_those_transformers_reports(ranks, checkpoint):
@@ -103,9 +131,10 @@ def test_from_pretrained_at_world_size_1_equals_transformers(checkpoint, model_t
 
 def test_a_float32_checkpoint_loaded_in_bfloat16(ranks, checkpoint):
     for results in ranks(2).run(cases.from_pretrained_equals_apply, str(checkpoint("llama")), ["LlamaForCausalLM"],
-                                dtype="bfloat16"):
+                                dtype="bfloat16", block_rows=1):  # one row per block
         r = results["LlamaForCausalLM"]
-        assert r["differ"] == [], r["differ"][:5]
+        assert r["differ"] == [] and r["differ_reference"] == [], (r["differ"][:5], r["differ_reference"][:5])
+        assert r["blocks"] > r["block_tensors"] > 0, r
 
 
 def test_loss_parallel_from_a_checkpoint(ranks, checkpoint):
@@ -192,7 +221,8 @@ def test_experts_are_read_lazily_and_the_whole_conversion_fallback_gives_the_sam
     for r in ranks(2).run(cases.whole_conversions, folder, "MixtralForCausalLM"):
         assert r["differ"] == []
         # one warning per kind of conversion: gate_up_proj (stack, concat), down_proj (stack)
-        assert len(r["warnings"]) == 2 and "transformers' MergeModulelist, Concatenate;" in r["warnings"][0], r["warnings"]
+        assert len(r["warnings"]) == 2, r["warnings"]
+        assert "transformers' MergeModulelist, Concatenate;" in r["warnings"][0], r["warnings"]
         assert r["read"] > lazy[0]["MixtralForCausalLM"]["read"]  # the fallback reads whole experts
 
 

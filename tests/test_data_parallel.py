@@ -9,7 +9,8 @@ Bounds (measured on this machine in brackets):
   logits to float32 whatever the dtype, hence the "exact" loss for the tight cases.
 * fp64 AdamW: 1e-6 [gpt2 1.2e-8, llama 1e-11]: AdamW divides each gradient element by its magnitude, so
   GPT-2's key bias, whose gradient is zero in exact arithmetic and pure rounding noise, moves by noise.
-* Mixtral fp64: 1e-6 [1.4e-7]: its router's softmax runs in float32 whatever the dtype.
+* Mixtral fp64: 1e-5 [1.4e-7 to 1.4e-6 depending on the batch]: its router's softmax runs in float32
+  whatever the dtype.
 * fp32 (transformers' loss or loss_parallel), SGD: 1e-4 [1.7e-5]: sharding and the batch split reorder
   float sums.
 A wrong group (DDP over every rank, or tpmap over the default group) is off by O(1). FSDP2
@@ -32,7 +33,7 @@ STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, 
     ("gpt2", "GPT2LMHeadModel", {}, "adamw", "float64", "exact", 1e-6),
     ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", 1e-4),
     ("qwen3", "Qwen3ForCausalLM", {}, "sgd", "float64", "exact", 1e-10),  # grad_allreduce q/k norms
-    ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-6),  # Param experts + Reduce
+    ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-5),  # Param experts + Reduce
 ]
 
 
@@ -54,7 +55,7 @@ FSDP_CASES = [  # FSDP2 over dp: the whole model as one unit ("fsdp") or each bl
     ("llama", "LlamaForCausalLM", KV1, "sgd", "float64", "exact", "fsdp_blocks", 1e-10),
     ("qwen3", "Qwen3ForCausalLM", {}, "adamw", "float64", "exact", "fsdp_blocks", 1e-6),
     ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", "fsdp_blocks", 1e-4),
-    ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-6),
+    ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-5),
     ("gpt_oss", "GptOssForCausalLM", {}, "sgd", "float64", "exact", "fsdp", 1e-10),  # partial expert bias
 ]
 

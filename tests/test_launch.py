@@ -6,11 +6,11 @@ import sys
 import time
 
 import pytest
+import rank_cases
+import torch
+from helpers import edited_copy
 
 from tpmap.launch import RankFailure
-
-import rank_cases
-from helpers import edited_copy
 
 
 def test_a_crashing_rank_is_reported_with_its_traceback(ranks):
@@ -92,11 +92,40 @@ def test_example_inputs_follow_the_model_class():
         assert whisper["input_features"].dtype == torch.float32 and whisper["decoder_input_ids"].min() >= 3
 
 
+@pytest.mark.parametrize("ref", ["llama", "gpt2", "bert", "t5", "mixtral", "fsmt", "albert"])
+def test_example_ids_hold_every_vocabulary_shard_boundary(ref):
+    """Every rank's first and last vocabulary row at every world size the mapping verifies, and V - 1, among
+    the unpadded ids of each ids input (encoder and decoder), special ids excepted; and a seed per mapping."""
+    from tpmap import verify
+
+    mapping = verify.resolve(ref).mapping
+    sizes = {ws for spec in mapping.verify for ws in spec.world_sizes if ws > 1}
+    for index, spec in enumerate(mapping.verify):
+        model = _meta(ref, index)
+        inputs = verify.case_inputs(ref, index, model)
+        special = {v for k, v in model.config.to_dict().items() if k.endswith("_token_id") and isinstance(v, int)}
+        for name, embedding in (("input_ids", model.get_input_embeddings()),
+                                ("decoder_input_ids", getattr(model.get_decoder(), "embed_tokens", None))):
+            if name not in inputs:
+                continue
+            rows = embedding.num_embeddings
+            want = {rows - 1}
+            for ws in sizes:
+                per = -(-rows // ws)
+                want |= {x for r in range(ws) if r * per < rows for x in (r * per, min((r + 1) * per, rows) - 1)}
+            want = {x for x in want if x >= 3} - special
+            ids = inputs[name] if name != "input_ids" else inputs[name][inputs["attention_mask"] == 1]
+            assert want <= set(ids.reshape(-1).tolist()), (ref, spec.name, name, sorted(want - set(ids.tolist())))
+    assert not torch.equal(verify.case_inputs("llama", 0, _meta("llama"))["input_ids"],
+                           verify.case_inputs("mistral", 0, _meta("mistral"))["input_ids"])
+
+
 def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     from tpmap import verify
     from tpmap.spec.errors import MappingError
 
-    declared = "    inputs:\n      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n"
+    declared = ("    inputs:\n"
+                "      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n")
     path = edited_copy(tmp_path, "whisper", "whisper", declared, "")
     with pytest.raises(MappingError) as e:
         verify.case_inputs(str(path), 0, _meta("whisper"))

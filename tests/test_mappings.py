@@ -4,26 +4,44 @@ for the first config at world sizes 2 and 4 also per-shard gradients (fp32 and f
 generate for classes that generate. One rank round trip per (mapping, config, class, world size),
 so a new mapping is proven by adding its YAML file.
 
-Gradient tolerances, as in tests/test_training.py: fp32 1e-4 and fp64 1e-6 relative (transformers'
-norms compute in float32 whatever the dtype, so fp64 runs keep fp32 rounding there, measured <= 8e-7);
+Gradient tolerances: fp32 1e-4 and fp64 2e-6 relative, per parameter at its own scale, above a noise floor
+of 64 eps of its module's largest gradient (rank_cases._grad_report). Transformers' norms compute in
+float32 whatever the dtype, so fp64 runs keep fp32 rounding there: measured up to 1.01e-6 (OLMoE's
+k_norm at world size 2; each mapping draws its own example ids), hence 2e-6 here against
+tests/test_training.py's 1e-6 on a few fixed cases;
 T5-style unscaled attention saturates at init std 0.2 and gets 1e-3 in fp32.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
+import rank_cases
 import torch  # noqa: F401  (rank_cases needs it importable)
 
 from tpmap import verify
 from tpmap.spec import source
 
-import rank_cases
-
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
-GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 1e-6}
+GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # fp32 rounding amplified, the fp64 check (1e-6) still exact: T5's unscaled attention (see test_training.py);
 # Reformer's reversible layers recompute activations in backward, from sums rounded in another order
 # (measured 1.07e-4 at ws 2; fp64 ~1e-13)
-LOOSE_FP32 = {"t5", "reformer"}
+# Gemma3n's activation-sparse layers cut at mean + z * std of the gathered gate output: an element within
+# rounding of the cutoff flips (measured 6.1e-4 at ws 4 with its example ids, <= 1.2e-4 with 5 other seeds)
+LOOSE_FP32 = {"t5", "reformer", "gemma3n_text"}
+# fp32 forward bound when verify.RTOL is too tight for a model's own rounding: Jamba's Mamba scan amplifies
+# it (ws 3: 1.26e-5 with its example ids, 2.6e-6 to 1.6e-5 over 24 draws; float64: 5e-16)
+LOOSE_FORWARD = {"jamba": 3e-5}
+# How the unsharded model fails each check a verify config declares `not_checked` (its reason, as the
+# exception or non-finite result it raises): the claim is proven only by that failure, not by any failure
+NOT_CHECKED_FAILS = {
+    ("fsmt", "mha12", "grad_fp64"): r"^RuntimeError: value cannot be converted to type float without overflow",
+    ("xglm", "mha12", "grad_fp64"): r"^RuntimeError: value cannot be converted to type float without overflow",
+    ("prophetnet", "ngram2", "grad_fp64"): r"^non-finite loss nan ",
+    ("reformer", "causal-local-lsh", "generate"): r"^RuntimeError: einsum\(\): the number of subscripts in the "
+                                                  r"equation \(4\) does not match the number of dimensions \(5\)",
+}
 
 
 def _cases():
@@ -45,25 +63,34 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize("ref,index,cls,ws,training,generate", CASES)
-def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, generate):
+def test_mapping_is_exact_on_real_ranks(ranks, monkeypatch, ref, index, cls, ws, training, generate):
+    monkeypatch.setattr(verify, "RTOL", LOOSE_FORWARD.get(ref, verify.RTOL))  # for verify.judge, in this process
     per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, cls, training, generate)
     case = verify.Case(ref=ref, model_type=ref, verify_index=index,
                        config_name=verify.resolve(ref).mapping.verify[index].name, class_name=cls, world_size=ws)
     result = verify.judge(case, [r["forward"] for r in per_rank])
     assert result.passed, result.error
-    assert result.params_local < result.params_full  # the model really got smaller on each rank
-    for r in per_rank:
+    name = verify.resolve(ref).mapping.verify[index].name
+    for rank, r in enumerate(per_rank):
+        # each rank holds exactly what the mapping says, counted from the unsharded model and the reference
+        assert r["forward"]["params_local"] == r["share"]["expected_local"] < r["share"]["full"], (rank, r["share"])
+        assert r["share"]["whole_in_blocks"] == [], ("kept whole without a replicated pattern", r["share"])
         for key, rtol in GRAD_RTOL.items():
             if key in r:
                 bound = rtol * (10 if key == "grad_fp32" and ref in LOOSE_FP32 else 1)
-                assert r[key]["checked"] > 3 and r[key]["worst_rel"] <= bound, (key, r[key])
-                assert r[key]["loss_diff"] <= 1e-5 * max(1.0, abs(r[key]["loss"])), (key, r[key])
-        if "grad_fp64_unsharded_error" in r:  # declared not_checked: the unsharded model must really fail
-            assert r["grad_fp64_unsharded_error"], (
-                f"{ref}: the unsharded model now runs in float64; remove not_checked: grad_fp64 from its verify config")
-        if "generate_unsharded_error" in r:  # declared not_checked: the unsharded generate must really fail
-            assert r["generate_unsharded_error"], (
-                f"{ref}: the unsharded model now generates; remove not_checked: generate from its verify config")
+                g = r[key]
+                # every parameter compared, every split one against its reference slice
+                assert g["checked"] == g["params"] and g["sharded"] == g["expected_sharded"], (key, g)
+                assert g["sharded"] and set(g["reshaped"]) <= set(g["sharded"]), (key, g)
+                assert g["worst_rel"] <= bound, (key, g["worst_rel"], g["worst_name"])
+                assert g["loss_diff"] <= 1e-5 * max(1.0, abs(g["loss"])), (key, g)
+        for check in ("grad_fp64", "generate"):  # declared not_checked: the unsharded model must fail as documented
+            error = r.get(f"{check}_unsharded_error", "")
+            if f"{check}_unsharded_error" in r:
+                assert error, (f"{ref}: the unsharded model now passes {check}; "
+                               f"remove not_checked: {check} from its verify config")
+                assert re.search(NOT_CHECKED_FAILS[(ref, name, check)], error), (
+                    f"{ref} {name}: the unsharded model fails {check} otherwise than documented: {error}")
         if "generate" in r:
             assert r["generate"]["new_tokens"] >= 20 and r["generate"]["ranks_agree"], r["generate"]
             assert r["generate"]["same_as_full"], r["generate"]
@@ -76,3 +103,11 @@ def test_each_mapping_is_proven_at_world_sizes_2_and_4_with_gradients(model_type
     deep = [c for c in CASES if c.values[0] == model_type and c.values[4]]
     assert {2, 4} <= ws, f"{model_type} is verified only at world sizes {sorted(ws)}"
     assert deep, f"{model_type}: its first verify config lists neither world size 2 nor 4"
+
+
+def test_every_not_checked_claim_names_the_failure_that_proves_it():
+    """A verify config's `not_checked` entry is proven by one documented failure (NOT_CHECKED_FAILS), which
+    prove_case matches; a new entry needs its failure written down."""
+    declared = {(m, spec.name, check) for m in source.shipped_files() for spec in verify.resolve(m).mapping.verify
+                for check in spec.not_checked}
+    assert declared == set(NOT_CHECKED_FAILS)

@@ -158,4 +158,4 @@ def test_deepseek_mla_gradients_need_enter_copy_input_and_grad_allreduce(ranks, 
     old, new, where = WRONG_GRADS[name]
     path = str(edited_copy(tmp_path, f"deepseek_v3-{name}", "deepseek_v3", old, new, every=True))
     for r in ranks(2).run(rank_cases.grad_case, path, 0, "DeepseekV3ForCausalLM", False, torch.float64):
-        assert r["worst_rel"] > 1e-2 and where in r["worst_name"], r
+        assert r["worst_rel"] > 1e-2 and any(where in n for n, rel in r["rels"].items() if rel > 1e-2), r

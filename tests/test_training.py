@@ -2,8 +2,9 @@
 same run: per-shard gradients, AdamW steps, checkpointing, dropout RNG, greedy generate, loss_parallel.
 
 Tolerances (fp32):
-* gradients: max|g_tp - g| <= 1e-4 x max(max|g| of the parameter, 1e-2 x max|g| of the model); the
-  floor is for gradients that are zero in exact arithmetic (a key bias) and pure rounding noise.
+* gradients, every parameter against the reference slice (rank_cases._grad_report): max|g_tp - g| <=
+  1e-4 x max|g| of the parameter + 64 eps x max|g| of its module; the floor is for gradients that are
+  zero in exact arithmetic (a key bias) and pure rounding noise (measured <= 8 eps).
   Sharding reorders float sums (measured <= 5e-5); a wrong split is off by O(1).
   Also in float64, bound 1e-6: transformers' RMSNorms compute in float32 whatever the dtype, so fp64
   runs still carry fp32 rounding there (measured <= 1.2e-7, Qwen3 at world size 4; most <= 1e-12).

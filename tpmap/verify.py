@@ -71,8 +71,8 @@ def large_init_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> Non
         p.copy_(noise + base)
 
 
-def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int = 10, seed: int = 1,
-                   pad: int = 3) -> dict:
+def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int = 10, seed: int | None = None,
+                   pad: int = 3, world_sizes=(2, 3, 4)) -> dict:
     """Example inputs for `model`, following its class, plus the `declared` ones (a verify config's
     ``inputs``: name -> `tpmap.spec.schema.ExampleInput`), which add to or replace the derived ones by name.
 
@@ -82,11 +82,18 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     main input (Whisper's ``input_features``, ``pixel_values``) has a model-specific shape and must be
     declared, or `MissingInputError` is raised. Declared shapes are expressions over config attributes
     and ``batch`` / ``seq``; kinds: ``ids`` (token ids), ``float`` (standard normal), ``mask`` (ones,
-    last row right-padded by `pad`). Everything is drawn from one generator seeded with `seed`.
+    last row right-padded by `pad`). Everything is drawn from one generator seeded with `seed`, by
+    default a stable hash of the model type (`stable_seed`), so every mapping sees other ids.
+
+    Token ids also hold the vocabulary-shard boundaries (`vocab_boundaries`: the first and last row of
+    every rank's shard of the embedding reading them, at each of `world_sizes`, and V - 1), placed at
+    random positions (unpadded ones first) of the drawn ids; ids below 3 and the config's special token
+    ids are left out. Random ids alone rarely land on a boundary, where an off-by-one in a
+    vocabulary-parallel lookup shows.
     """
     config = model.config
     declared = declared or {}
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(stable_seed(config.model_type) if seed is None else seed)
     vocab = getattr(config.get_text_config(), "vocab_size", None)  # a multimodal config keeps it in text_config
     main = getattr(model, "main_input_name", "input_ids")
     if main not in declared and main != "input_ids":
@@ -94,12 +101,18 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             f"{type(model).__name__}'s main input is {main!r}, whose shape tpmap cannot derive; declare it in the "
             f"verify config, e.g. inputs: {{{main}: {{shape: [batch, ...], kind: float}}}}"
         )
+
+    def ids(name: str, shape: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.randint(3, vocab, shape, generator=gen)
+        return place_ids(out, boundary_ids(model, world_sizes, decoder=name.startswith("decoder_")), gen, mask)
+
     inputs = {}
     if main == "input_ids":
-        inputs["input_ids"] = torch.randint(3, vocab, (batch, seq), generator=gen)
-        inputs["attention_mask"] = _mask((batch, seq), pad)
+        mask = _mask((batch, seq), pad)
+        inputs["input_ids"] = ids("input_ids", (batch, seq), mask)
+        inputs["attention_mask"] = mask
     if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = torch.randint(3, vocab, (batch, seq // 2 + 1), generator=gen)
+        inputs["decoder_input_ids"] = ids("decoder_input_ids", (batch, seq // 2 + 1))
 
     def lookup(name: str) -> int:
         sizes = {"batch": batch, "seq": seq}
@@ -113,12 +126,77 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     for name, spec in declared.items():
         shape = tuple(expr.evaluate(dim, lookup) for dim in spec.shape)
         if spec.kind == "ids":
-            inputs[name] = torch.randint(3, vocab, shape, generator=gen)
+            inputs[name] = ids(name, shape)
         elif spec.kind == "float":
             inputs[name] = torch.randn(shape, generator=gen)
         else:
             inputs[name] = _mask(shape, pad)
     return inputs
+
+
+def stable_seed(name: str) -> int:
+    """A seed from a name, the same in every process and run (Python's hash() of a str is salted)."""
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+def vocab_boundaries(vocab: int, world_sizes) -> list[int]:
+    """The first and last row of every rank's shard of a `vocab`-row vocabulary at each world size, and
+    vocab - 1: under the padded split, ceil(V / ws) rows per rank, rank r from row r * ceil(V / ws)."""
+    out = {vocab - 1}
+    for ws in world_sizes:
+        per = -(-vocab // ws)
+        for start in range(0, vocab, per):
+            out |= {start, min(start + per, vocab) - 1}
+    return sorted(out)
+
+
+def boundary_ids(model, world_sizes=(2, 3, 4), decoder: bool = False) -> list[int]:
+    """The vocabulary-shard boundaries (`vocab_boundaries`) of the embedding reading `model`'s input ids (its
+    decoder's with `decoder`) at `world_sizes`, without ids below 3 and the config's special token ids."""
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    rows = embedding_rows(model, decoder=decoder, default=vocab)
+    if rows is None:
+        return []
+    avoid = special_ids(model.config)
+    return [i for i in vocab_boundaries(rows, world_sizes) if i >= 3 and i not in avoid]
+
+
+def special_ids(config) -> set[int]:
+    """Token ids a config names (pad, bos, eos, sep, mask, decoder start, ...), which models treat specially."""
+    out: set[int] = set()
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("_token_id", "_token_ids", "_token_index")):
+                out |= {v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)}
+    return out
+
+
+def embedding_rows(model, decoder: bool = False, default: int | None = None) -> int | None:
+    """The rows of the embedding that reads a model's input ids (its decoder's with `decoder`): the
+    vocabulary a vocabulary-parallel split divides; `default` when there is no such nn.Embedding."""
+    try:
+        owner = model.get_decoder() if decoder else model
+        embedding = owner.get_input_embeddings() if hasattr(owner, "get_input_embeddings") else None
+        embedding = embedding if embedding is not None else getattr(owner, "embed_tokens", None)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        embedding = None
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if isinstance(rows, int) else default
+
+
+def place_ids(ids: torch.Tensor, values: list[int], gen: torch.Generator,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`ids` with `values` written at distinct random positions (where `mask` is 1 first, then where it is
+    0); as many as there are positions."""
+    flat = ids.view(-1)
+    order = torch.randperm(flat.numel(), generator=gen)
+    if mask is not None:  # stable: unpadded positions first, each group in random order
+        order = order[torch.argsort((mask.reshape(-1)[order] == 0).to(torch.int8), stable=True)]
+    for position, value in zip(order.tolist(), values):
+        flat[position] = value
+    return ids
 
 
 def _mask(shape: tuple, pad: int) -> torch.Tensor:
@@ -130,13 +208,17 @@ def _mask(shape: tuple, pad: int) -> torch.Tensor:
 
 
 def case_inputs(ref: str, verify_index: int, model) -> dict:
-    """The example inputs of verify config `verify_index` of a mapping for `model` (one of its classes).
+    """The example inputs of verify config `verify_index` of a mapping for `model` (one of its classes),
+    seeded by the mapping's model type and config name, with the vocabulary-shard boundary ids of every
+    world size the mapping verifies.
 
     A model whose inputs cannot be made raises a `MappingError` located at that verify config."""
     loaded = resolve(ref)
     spec = loaded.mapping.verify[verify_index]
-    try:
-        return example_inputs(model, spec.inputs)
+    world_sizes = sorted({ws for v in loaded.mapping.verify for ws in v.world_sizes if ws > 1})
+    try:  # a seed of its own per mapping and config; the shard boundaries of every world size it verifies
+        return example_inputs(model, spec.inputs, seed=stable_seed(f"{loaded.mapping.model_type}/{spec.name}"),
+                              world_sizes=world_sizes)
     except TpmapError as e:  # an undeclared main input, a shape naming no config attribute or not dividing
         rule = {MissingInputError: "missing-key", DivisibilityError: "divisibility"}.get(type(e), "config-attribute")
         raise MappingError(f"verify config {spec.name!r}: {e}", loaded.source.value(("verify", verify_index)),
@@ -236,8 +318,9 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
         problems.append("output shape differs from the unsharded model")
     if not rel <= RTOL:  # also catches NaN
         problems.append(f"max|diff| {worst:.3g} is {rel:.3g} of max|output| {scale:.3g} (> {RTOL:g})")
-    return Result(case=case, passed=not problems, max_diff=worst, rel_diff=rel, params_local=per_rank[0]["params_local"],
-                  params_full=per_rank[0]["params_full"], error="; ".join(problems),
+    return Result(case=case, passed=not problems, max_diff=worst, rel_diff=rel,
+                  params_local=per_rank[0]["params_local"], params_full=per_rank[0]["params_full"],
+                  error="; ".join(problems),
                   collectives=per_rank[0].get("collectives"))
 
 
@@ -277,7 +360,7 @@ def comm_summary(counts: dict | None) -> str:
              "broadcast": "bc"}
     if not counts:
         return "-"
-    merged = {k: 0 for k in dict.fromkeys(short.values())}  # fixed order: ar, ag, rs, bc
+    merged = dict.fromkeys(dict.fromkeys(short.values()), 0)  # fixed order: ar, ag, rs, bc
     for name, n in counts.items():
         merged[short[name]] += n
     return "+".join(f"{n}{k}" for k, n in merged.items() if n)

@@ -8,7 +8,7 @@ truncated file or a ``.bin``-only folder is a `CheckpointError` naming the file 
 anything is read -- on every rank alike, since every rank opens the same folder.
 
 Tensor data is read with ``os.preadv`` into the destination's memory (`StoredTensor.read_into`), so
-exactly the bytes asked for are read and nothing is memory-mapped; `engine.load` decides which bytes.
+exactly the bytes asked for are read and nothing is memory-mapped; `engine.slice_io` decides which bytes.
 Writing (`SafetensorsWriter`) lays a file out as ``safetensors.torch.save_file`` does (same header,
 same order: by dtype then name), so the result is byte-identical, but it takes the tensors one at a
 time, in any order, from their full shapes known up front.

@@ -1,0 +1,210 @@
+"""An independent reference for tensor-parallel slicing: which elements of a split dimension rank r
+holds, decided element by element from the layout rules, without engine.pieces, ParamShard.pieces,
+ParamShard.indices or engine.shard.take. The property tests compare the engine's slicing with it, and
+the rank tests slice the unsharded gradients and checkpoint tensors with it.
+
+The rules, for element i of a split dimension of D features at world size ws:
+
+* plain: D in ws equal consecutive parts, rank r holds part r;
+* sections (fused [q | k | v], [gate | up]): each section is split on its own by these rules;
+* heads: a section of H heads of S / H features each. H a multiple of ws: rank r holds the heads
+  [r * H / ws, (r + 1) * H / ws). ws a multiple of H (fewer KV heads than ranks): the ranks form H
+  consecutive blocks of ws / H ranks, block h holds head h (each head replicated on ws / H ranks);
+* groups (Falcon's [kv, q_per_kv + 2, d]): G equal groups, each laid out by the sections. G a multiple
+  of ws: rank r holds the groups [r * G / ws, (r + 1) * G / ws) whole. ws a multiple of G: the ranks
+  form G consecutive blocks of m = ws / G, block g shares group g, whose sections are split over its m
+  ranks as above (sub-rank r % m);
+* vocabulary: ceil(V / ws) rows per rank, rank r holds rows [r * ceil(V / ws), ...) that exist; every
+  rank's local tensor is padded with zero rows to ceil(V / ws).
+
+A rank's local tensor holds its elements in ascending order of their full index (then the padding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one split dimension of `size` features is laid out (the sections of one group)."""
+
+    size: int
+    sections: tuple[tuple[int, int | None], ...] = ()  # (size, heads) of each section; () = one plain section
+    groups: int | None = None
+    vocab: bool = False
+
+
+def _in_sections(j: int, sections, unit: int, m: int) -> set[int]:
+    """The sub-ranks (of m) holding feature j of one unit (a whole dim, or a group) laid out by `sections`."""
+    sections = sections or ((unit, None),)
+    start = 0
+    for size, heads in sections:  # noqa: B007 (heads of the section found, read after the loop)
+        if j < start + size:
+            break
+        start += size
+    else:
+        raise AssertionError(f"feature {j} lies beyond the sections {sections}")
+    k = j - start
+    if heads is None:
+        assert size % m == 0, (size, m)
+        return {k // (size // m)}
+    head = k // (size // heads)
+    if heads % m == 0:
+        return {head // (heads // m)}
+    assert m % heads == 0, (heads, m)
+    per_head = m // heads  # the block of ranks that replicates this head
+    return set(range(head * per_head, (head + 1) * per_head))
+
+
+def owners(layout: Layout, ws: int, i: int) -> set[int]:
+    """The ranks that hold feature i."""
+    if layout.vocab:
+        return {i // -(-layout.size // ws)}
+    if layout.groups is None or layout.groups == 1:
+        return _in_sections(i, layout.sections, layout.size, ws)
+    g_count = layout.groups
+    unit = layout.size // g_count
+    g, j = divmod(i, unit)
+    if g_count % ws == 0:
+        return {g // (g_count // ws)}
+    assert ws % g_count == 0, (g_count, ws)
+    m = ws // g_count
+    return {g * m + s for s in _in_sections(j, layout.sections, unit, m)}
+
+
+def held(layout: Layout, ws: int, rank: int) -> list[int]:
+    """The full indices rank `rank` holds, in local order."""
+    return [i for i in range(layout.size) if rank in owners(layout, ws, i)]
+
+
+def local_length(layout: Layout, ws: int, rank: int) -> int:
+    """The local length of the split dim (padded for a vocabulary)."""
+    return -(-layout.size // ws) if layout.vocab else len(held(layout, ws, rank))
+
+
+def local_slice(full: torch.Tensor, dim: int, layout: Layout, ws: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s local tensor of `full`, split along `dim`: its features in order, then zero padding."""
+    assert full.shape[dim] == layout.size, (tuple(full.shape), dim, layout)
+    index = torch.tensor(held(layout, ws, rank), dtype=torch.long, device=full.device)
+    out = full.detach().index_select(dim, index)
+    pad = local_length(layout, ws, rank) - len(index)
+    if pad:
+        shape = list(full.shape)
+        shape[dim] = pad
+        out = torch.cat([out, full.new_zeros(shape)], dim)
+    return out.contiguous()
+
+
+# -- layouts of a model's parameters, from its mapping ------------------------------------------------
+@dataclass(frozen=True)
+class Split:
+    """How a mapping says one tensor of a model is spread: split along `dim` by `layout`, whole on every
+    rank (`dim` None: a Row's bias), or `partial` (whole on rank 0, zeros elsewhere)."""
+
+    dim: int | None
+    layout: Layout | None
+    partial: bool = False
+
+    def local(self, full: torch.Tensor, ws: int, rank: int) -> torch.Tensor:
+        if self.partial:
+            return full.detach().clone() if rank == 0 else torch.zeros_like(full.detach())
+        if self.dim is None:
+            return full.detach().clone()
+        return local_slice(full, self.dim, self.layout, ws, rank)
+
+    def local_numel(self, full_shape, ws: int, rank: int) -> int:
+        if self.partial or self.dim is None:
+            return int(torch.Size(full_shape).numel())
+        shape = list(full_shape)
+        shape[self.dim] = local_length(self.layout, ws, rank)
+        return int(torch.Size(shape).numel())
+
+
+def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None], ...]:
+    """The (size, heads) of an entry's sections within one unit of `unit` features, from the entry's own
+    fields: sized sections as stated, unsized ones share the rest in proportion to their heads (1 each)."""
+    if isinstance(entry.sections, str):  # a count given as an expression
+        specs = [(None, entry.heads)] * evaluate(entry.sections)
+    else:
+        specs = entry.section_specs()
+    sizes = [None if s is None else evaluate(s) for s, _ in specs]
+    heads = [None if h is None else evaluate(h) for _, h in specs]
+    unsized = [k for k, s in enumerate(sizes) if s is None]
+    if unsized:
+        rest = unit - sum(s for s in sizes if s is not None)
+        weight = sum(heads[k] or 1 for k in unsized)
+        for k in unsized:
+            sizes[k] = rest // weight * (heads[k] or 1)
+    assert sum(sizes) == unit, (entry, sizes, unit)
+    return tuple(zip(sizes, heads))
+
+
+def _layout(entry, size: int, evaluate) -> Layout:
+    groups = None if entry.groups is None else evaluate(entry.groups)
+    unit = size // groups if groups else size
+    return Layout(size, _sections(entry, unit, evaluate), groups)
+
+
+def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
+    """Every tensor of the unsharded model `full` that `plan` splits (by full name, tied aliases included),
+    with its dim and layout derived from the mapping entry that claims it and `full`'s own modules: which
+    entry comes from the plan (ModuleShard.entry; for Param tensors, the entry whose pattern and params
+    name it), everything else from the entry's fields, the config and the module kinds."""
+    from torch import nn
+
+    from tpmap.engine.planner import EntryContext, base_prefix
+    from tpmap.spec.expr import evaluate as evaluate_expr
+    from tpmap.spec.patterns import match_entry
+    from tpmap.spec.schema import Column, Norm, Param, config_matches
+
+    entries = loaded.mapping.entries
+
+    def evaluator(index: int):
+        lookup = EntryContext(full.config, loaded, index, ws).lookup
+        return lambda text: evaluate_expr(text, lookup, ws, 0)
+
+    out: dict[str, Split] = {}
+    for ms in plan.modules:
+        module = full.get_submodule(ms.name)
+        if ms.style in ("vocab_embedding", "vocab_head"):  # (V, H) weight, (V,) bias: rows of the vocabulary
+            layout = Layout(module.weight.shape[0], vocab=True)
+            weight, bias = Split(0, layout), Split(0, layout)
+        else:
+            entry = entries[ms.entry]
+            column = isinstance(entry, Column)
+            if isinstance(entry, Norm):
+                dim = 0
+            elif isinstance(module, nn.Embedding):
+                dim = 1
+            elif isinstance(module, nn.Linear):
+                dim = 0 if column else 1
+            else:  # a weight stored [in, out] (reverse: true)
+                dim = 1 if column else 0
+            weight = Split(dim, _layout(entry, module.weight.shape[dim], evaluator(ms.entry)))
+            bias = Split(0, weight.layout) if column or isinstance(entry, Norm) else Split(None, None)
+        out[ms.weight.name] = weight
+        if ms.bias is not None:
+            out[ms.bias.name] = bias
+    _, prefix = base_prefix(full)
+    base = full.get_submodule(prefix[:-1]) if prefix else full
+    modules = dict(base.named_modules())
+    for t in plan.tensors:
+        owner, _, pname = t.name.rpartition(".")
+        rel = owner[len(prefix):]
+        claims = [i for i, e in enumerate(entries) if isinstance(e, Param) and config_matches(e.when, full.config)
+                  and pname in e.params and rel in match_entry(e, modules)]
+        assert len(claims) == 1, (t.name, claims)
+        entry = entries[claims[0]]
+        tensor = getattr(full.get_submodule(owner), pname)
+        shape = (len(tensor),) if isinstance(tensor, nn.ModuleList) else tuple(tensor.shape)
+        if entry.partial:
+            out[t.name] = Split(None, None, partial=True)
+            continue
+        dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
+        out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0])))
+    for shard in plan.params.values():  # tied names see the same split
+        for alias in shard.aliases:
+            out.setdefault(alias, out[shard.name])
+    return out
