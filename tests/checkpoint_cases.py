@@ -183,7 +183,7 @@ def load_error(folder: str, **kwargs) -> dict:
 
 def whole_conversions(folder: str, class_name: str) -> dict:
     """The fallback: every converted tensor read whole and sliced; the same bits, with a warning."""
-    from tpmap.checkpoint.safetensors import conversion
+    from tpmap.checkpoint import conversion
 
     ws = dist.get_world_size()
     want = tpmap.apply(getattr(transformers, class_name).from_pretrained(folder), ws)

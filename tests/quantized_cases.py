@@ -7,7 +7,7 @@ import transformers
 from checkpoint_cases import _CountReads, _differences, _tensors
 
 import tpmap
-from tpmap.checkpoint.safetensors import fp8
+from tpmap.checkpoint import fp8
 from tpmap.engine import slice_io
 
 

@@ -89,8 +89,10 @@ def shards(draw):
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
     shape[dim] = size
     if draw(st.integers(0, 9)) == 0:
-        return ParamShard("t", tuple(shape), None, partial=True), ws, ref.Split(None, None, partial=True)
-    return ParamShard("t", tuple(shape), dim, pieces, replicated, local_size), ws, ref.Split(dim, layout)
+        shard = ParamShard(name="t", full_shape=tuple(shape), dim=None, partial=True)
+        return shard, ws, ref.Split(None, None, partial=True)
+    return ParamShard(name="t", full_shape=tuple(shape), dim=dim, pieces=pieces,
+                      replicated_heads=replicated, local_size=local_size), ws, ref.Split(dim, layout)
 
 
 def _tensor(shape, dtype=torch.float32) -> torch.Tensor:
@@ -231,7 +233,7 @@ def test_reads_in_blocks_of_a_few_rows_are_the_reference_slice(shape, dim, secti
     size = shape[dim]
     layout = ref.Layout(size, sections)
     pieces, replicated = split_sections(list(sections), ws, True, _fail, lambda k: ())
-    shard = ParamShard("t", shape, dim, pieces, replicated)
+    shard = ParamShard(name="t", full_shape=shape, dim=dim, pieces=pieces, replicated_heads=replicated)
     row_bytes = math.prod(shape[dim:]) * 4
     blocks = _read_all(shard, ws, ref.Split(dim, layout), torch.float32, 10 ** 9, rows * row_bytes)
     assert blocks == ws * -(-math.prod(shape[:dim]) // rows)
@@ -250,7 +252,7 @@ def test_a_tensor_larger_than_a_block_read_from_a_file_is_the_reference_slice(tm
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     save_file({"w": full}, tmp_path / "model.safetensors")
     pieces, _ = split_sections([(shape[1], None)], 2, False, _fail, lambda k: ())
-    shard = ParamShard("w", shape, 1, pieces)
+    shard = ParamShard(name="w", full_shape=shape, dim=1, pieces=pieces)
     seen = []
     original = slice_io._read_in_blocks
     slice_io._read_in_blocks = lambda *args: (seen.append(args[0]), original(*args))
@@ -311,7 +313,7 @@ def expert_conversion():
        fused=st.booleans())
 def test_a_lazily_converted_slice_equals_take_of_the_converted_tensor(expert_conversion, experts, inter, hidden, ws,
                                                                      fused):
-    from tpmap.checkpoint.safetensors import conversion
+    from tpmap.checkpoint import conversion
 
     size = inter * ws
     if fused:  # gate_up_proj [E, 2I, H] from w1, w3 [I, H] per expert, split on dim 1 as [gate | up]
