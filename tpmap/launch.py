@@ -258,12 +258,23 @@ class Ranks:
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"tpmap-rank-{r}",
                                    args=(r, self.world_size, port, there, os.getpid(), self.setup))
                        for r, (_, there) in enumerate(pipes)]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except BaseException:
+            self.kill()
+            raise
         for _, there in pipes:
             there.close()  # the ranks hold these ends now: a rank's death reads as end-of-file here
         what = "starting the process group"
-        outcomes = drain(self.answers(_READY, timeout, what))
+        try:
+            outcomes = drain(self.answers(_READY, timeout, what))
+        except RankFailure as e:
+            if not any(m.startswith("process died") for m in e.per_rank.values()):
+                raise
+            raise RankFailure(e.what + " (ranks are spawned: they re-import the main script, so a script must "
+                              "start them under `if __name__ == \"__main__\":`; a rank's own error is on this "
+                              "process's stderr)", e.per_rank) from None
         if not all(o.ok for o in outcomes):
             self.kill()
             raise RankFailure(f"{what} failed on {self.world_size} ranks",
@@ -343,22 +354,24 @@ class Ranks:
     def stop(self) -> None:
         """Ask live ranks to leave their loop (they leave the process group), then kill what is left."""
         for p, conn in zip(self._procs, self._conns):
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 try:
                     conn.send_bytes(_STOP)
                 except OSError:  # its pipe is already closed: the rank is on its way out, killed below
                     continue
         deadline = time.monotonic() + 5
         for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
         """Kill every rank at once (they may be stuck in a collective) and wait for them to be gone."""
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._procs:
+        for p in started:
             p.join(5)
         for conn in self._conns:
             conn.close()
