@@ -174,16 +174,16 @@ class Parallelized:
         """``model.generate(*args, **kwargs)`` on the workers; the tokens (or generate's output, without the
         cache) come back here. ``streamer`` (e.g. a TextStreamer) runs here, fed as the tokens come."""
         on_progress = None if streamer is None else streamer.put
-        outcomes = self._call("generate", worker.generate, _sendable(args), _sendable(kwargs), streamer is not None,
-                              on_progress=on_progress)
+        out = self._call("generate", worker.generate, _sendable(args), _sendable(kwargs), streamer is not None,
+                         on_progress=on_progress)
         if streamer is not None:
             streamer.end()
-        return outcomes
+        return out
 
     def stream(self, *args, **kwargs) -> Iterator[torch.Tensor]:
         """Generate, yielding each step's new tokens (a LongTensor of shape (batch,)) as the workers make them.
-        Breaking off early lets the call finish in the workers (they stay in step). The call starts at the
-        first ``next()``."""
+        The call starts at the first ``next()``. Breaking off early (``break``, ``close()``) waits for the
+        call to finish in the workers, so that they stay in step (Ctrl-C meanwhile stops them)."""
         answers = self._answers("generate", worker.generate, _sendable(args), _sendable(kwargs), True)
         try:
             for step, tokens in enumerate(answers):
@@ -225,17 +225,32 @@ class Parallelized:
 
     # -- the protocol ----------------------------------------------------------------------------
     def _call(self, what: str, fn, *args, on_progress=None, every_rank: bool = False, **kwargs):
-        """Run `fn` on every worker to the end; rank 0's result (every rank's with `every_rank`)."""
-        outcomes = drain(self._answers(what, fn, *args, **kwargs), on_progress)
+        """Run `fn` on every worker to the end, giving rank 0's progress payloads to `on_progress`; rank 0's
+        result (every rank's with `every_rank`)."""
+        answers = self._answers(what, fn, *args, **kwargs)
+        while True:
+            try:
+                payload = next(answers)
+            except StopIteration as stop:
+                outcomes = stop.value
+                break
+            if on_progress is not None:
+                try:
+                    on_progress(payload)
+                except BaseException as e:  # the caller's streamer raised, or Ctrl-C landed in it
+                    answers.throw(e)  # `_answers` finishes the call or stops the workers, and re-raises
         return [o.value for o in outcomes] if every_rank else outcomes[0].value
 
     def _answers(self, what: str, fn, *args, **kwargs) -> Generator:
-        """Run `fn` on every worker, yielding rank 0's progress payloads; return every worker's Outcome."""
+        """Run `fn` on every worker, yielding rank 0's progress payloads; return every worker's Outcome.
+
+        An exception thrown in at a yield (the consumer's own code failed) lets the call finish in the
+        workers, which stay in step; KeyboardInterrupt stops them instead."""
         with self._turn():
             task = self._ranks.submit(fn, *args, **kwargs)
             start = time.perf_counter()
+            answers = self._ranks.answers(task, self._call_timeout, what)
             try:
-                answers = self._ranks.answers(task, self._call_timeout, what)
                 while True:
                     try:
                         rank, payload = next(answers)
@@ -244,11 +259,15 @@ class Parallelized:
                         break
                     if rank == 0:
                         yield payload
-            except RankFailure as failure:
+            except RankFailure as failure:  # the ranks are stopped already
                 self._mark_broken(failure.summary())
                 raise
             except KeyboardInterrupt:
+                self._ranks.kill()
                 self._mark_broken(f"interrupted (KeyboardInterrupt) during {what}")
+                raise
+            except BaseException:
+                drain(answers)
                 raise
             self.last_call = CallTiming(time.perf_counter() - start, tuple(o.seconds for o in outcomes))
         return self._judge(outcomes, what)
