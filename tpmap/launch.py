@@ -10,8 +10,9 @@ users build on it: the tests' and `tpmap verify`'s `RankPool` below, and `tpmap.
 
 How the processes are kept honest:
 
-* each rank talks to this process over its own pipe; messages are pickled here, by value, so an
-  object that cannot be sent fails in the sender, where it can be reported, never in a feeder thread;
+* each rank talks to this process over its own pipe; messages are pickled by the sender
+  (`tpmap.wire`: tensors' bytes out of band), so an object that cannot be sent fails where it can be
+  reported, never in a queue's feeder thread;
 * a rank that dies is seen at once (its process sentinel), one that does not answer within the
   task's timeout, or within `grace` seconds of another rank failing, is called hung; then every rank is
   killed and `RankFailure` raised with every rank's traceback or status;
@@ -43,8 +44,10 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from tpmap import wire
+
 _PARENT_POLL_S = 0.2  # how often a rank checks that its parent is alive
-_STOP = b""  # asks a rank to leave its loop
+_STOP = None  # the message that asks a rank to leave its loop
 _READY = 0  # the task id of the "joined the process group" answer; tasks count from 1
 
 
@@ -128,7 +131,7 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 def _send(message: tuple) -> None:
-    _Here.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    wire.send(_Here.conn, wire.encode(message))
 
 
 def _watch_parent(parent: int) -> None:
@@ -169,12 +172,12 @@ def _worker(rank: int, world_size: int, port: int, conn, parent: int, setup: Set
     _send(("done", _READY, rank, dict(ok=True)))
     while True:
         try:
-            message = conn.recv_bytes()
+            message = wire.receive(conn)
         except EOFError:  # the driving process is gone
             break
-        if message == _STOP:
+        if message is _STOP:
             break
-        _run(message)
+        _run(*message)
     dist.destroy_process_group()
     # leave at once: an interpreter holding transformers takes seconds to tear down, and nothing here needs it
     # beyond multiprocessing's finalizers (they unlink the semaphores, e.g. tqdm's lock) and flushed output
@@ -184,9 +187,9 @@ def _worker(rank: int, world_size: int, port: int, conn, parent: int, setup: Set
     os._exit(0)
 
 
-def _run(message: bytes) -> None:
-    """Run one task and send its outcome: the result, or the exception with its traceback."""
-    task_id, blob = pickle.loads(message)
+def _run(task_id: int, blob: bytes) -> None:
+    """Run one task (its function and arguments pickled apart, so that a failure to unpickle them is the
+    task's error) and send its outcome: the result, or the exception with its traceback."""
     _Here.task = task_id
     before, start = _collectives(), time.perf_counter()
     try:
@@ -289,10 +292,10 @@ class Ranks:
             name = getattr(fn, "__qualname__", repr(fn))
             raise TypeError(f"the arguments of {name} cannot be sent to the ranks: {type(e).__name__}: {e}") from e
         self._next_id += 1
-        message = pickle.dumps((self._next_id, blob), protocol=pickle.HIGHEST_PROTOCOL)
+        frames = wire.encode((self._next_id, blob))
         for conn in self._conns:
             try:
-                conn.send_bytes(message)
+                wire.send(conn, frames)
             except OSError:  # the rank is gone: `answers` reports its death, with its exit code
                 continue
         return self._next_id
@@ -343,7 +346,7 @@ class Ranks:
         try:
             if not conn.poll():  # only the process sentinel is ready: it is gone, and sent nothing more
                 return None
-            return pickle.loads(conn.recv_bytes())
+            return wire.receive(conn)
         except (EOFError, OSError):
             return None
 
@@ -356,7 +359,7 @@ class Ranks:
         for p, conn in zip(self._procs, self._conns):
             if p.pid is not None and p.is_alive():
                 try:
-                    conn.send_bytes(_STOP)
+                    wire.send(conn, wire.encode(_STOP))
                 except OSError:  # its pipe is already closed: the rank is on its way out, killed below
                     continue
         deadline = time.monotonic() + 5
