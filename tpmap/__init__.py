@@ -12,7 +12,7 @@
 from tpmap.api import apply, full_state_dict, load_mapping, plan
 from tpmap.checkpoint.load import from_pretrained
 from tpmap.checkpoint.save import save_pretrained
-from tpmap.driver import CallTiming, Parallelized, parallelize
+from tpmap.driver import CallTiming, Parallelized, Startup, parallelize
 from tpmap.launch import RankFailure, RemoteTraceback
 from tpmap.loss_parallel import vocab_parallel_cross_entropy
 from tpmap.spec.errors import (
@@ -67,6 +67,7 @@ __all__ = [
     "RankFailure",
     "RemoteTraceback",
     "SequenceParallelError",
+    "Startup",
     "TpmapError",
     "UnknownModelTypeError",
     "UnsupportedConfigError",

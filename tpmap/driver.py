@@ -76,9 +76,11 @@ def parallelize(path, world_size: int, *, dtype=None, device=None, mapping=None,
     if refused:
         raise TypeError("tpmap.parallelize does not take " + "; ".join(f"{k} ({_REFUSED[k]})" for k in refused))
     kwargs = {"check_inputs": False, **from_pretrained_kwargs}
+    start = time.perf_counter()
     # the planner's verdict, from the config alone: no weights, no process group, no worker yet
     plan_checkpoint(path, world_size, dtype=dtype, mapping=mapping,
                     **{k: v for k, v in kwargs.items() if k != "check_inputs"})
+    planned = time.perf_counter()
     cuda = devices[0].startswith("cuda")
     setup = Setup(backend="nccl" if cuda else "gloo", devices=devices,
                   threads=max(1, (os.cpu_count() or 1) // world_size),
@@ -86,12 +88,14 @@ def parallelize(path, world_size: int, *, dtype=None, device=None, mapping=None,
     handle = Parallelized(Ranks(world_size, setup, grace=min(10.0, timeout)), call_timeout)
     try:
         handle._ranks.start()
+        started = time.perf_counter()
         loaded = handle._call(f"loading {path}", worker.load, path, dtype=dtype, mapping=mapping, seed=seed,
                               timeout=timeout, kwargs=kwargs)
     except BaseException:
         handle._stop()
         raise
     handle._configs = loaded
+    handle.startup = Startup(plan_s=planned - start, spawn_s=started - planned, load_s=time.perf_counter() - started)
     return handle
 
 
@@ -115,6 +119,18 @@ def _devices(device, world_size: int) -> tuple[str, ...]:
         raise ParallelizeError(f"{world_size} workers need {world_size} GPUs; this machine has "
                                f"{torch.cuda.device_count()}")
     return tuple(f"cuda:{r}" for r in range(world_size))
+
+
+@dataclass(frozen=True)
+class Startup:
+    """Where `parallelize`'s time went: planning here, spawning the workers and their process group, loading."""
+    plan_s: float
+    spawn_s: float
+    load_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.plan_s + self.spawn_s + self.load_s
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,7 @@ class Parallelized:
         self._closed = False
         self.broken: str | None = None  # why the workers were stopped, after a failure
         self.last_call: CallTiming | None = None
+        self.startup: Startup | None = None
         self._stop = weakref.finalize(self, ranks.stop)  # also at garbage collection and interpreter exit
 
     # -- what the model shows --------------------------------------------------------------------
@@ -247,8 +264,8 @@ class Parallelized:
         An exception thrown in at a yield (the consumer's own code failed) lets the call finish in the
         workers, which stay in step; KeyboardInterrupt stops them instead."""
         with self._turn():
+            start = time.perf_counter()  # the round trip includes sending: the workers start after it
             task = self._ranks.submit(fn, *args, **kwargs)
-            start = time.perf_counter()
             answers = self._ranks.answers(task, self._call_timeout, what)
             try:
                 while True:
