@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallelize_cases import MASK, PROMPT, hang_in_forward_on, raise_in_forward_on, save_tiny_llama
 from transformers import TextStreamer
 
 import tpmap
-from parallelize_cases import MASK, PROMPT, hang_in_forward_on, raise_in_forward_on, save_tiny_llama
+from tpmap import wire
 
-CASES = Path(__file__).resolve().parent / "parallelize_cases.py"
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "parallelize_cases.py"
 GENERATE = dict(attention_mask=MASK, max_new_tokens=12, do_sample=False)
 
 
@@ -74,6 +76,7 @@ def test_generate_and_forward_equal_the_unsharded_model(checkpoint, handle):
     assert abs(float(got.loss) - float(want.loss)) < 1e-5 * abs(float(want.loss))
     assert max(_relative(g, w) for g, w in zip(got.hidden_states, want.hidden_states)) < 1e-5
     assert handle.last_call.overhead_s < 1.0  # the benchmark measures it properly
+    assert 0 < handle.startup.plan_s < handle.startup.total_s
 
 
 def test_a_bad_call_raises_in_the_driver_and_the_handle_keeps_working(checkpoint, handle):
@@ -136,6 +139,28 @@ def test_streaming_to_a_text_streamer_and_as_an_iterator(checkpoint, handle):
         handle.generate(prompt, streamer=Failing(Tokens(), skip_prompt=True), **kwargs)
     assert handle.broken is None
     assert handle.generate(prompt, **kwargs)[0, prompt.shape[1]:].tolist() == want
+
+
+def test_the_wire_carries_tensors_out_of_band():
+    """Tensor bytes travel as frames of their own and come back equal: dtypes, empty, 0-d, strided, conj."""
+    import multiprocessing.connection
+
+    message = {"f": torch.randn(2, 3), "empty": torch.empty(0, 5), "scalar": torch.tensor(3.5),
+               "bf16": torch.randn(4).bfloat16(), "bool": torch.tensor([True, False]), "t": torch.randn(3, 4).t(),
+               "conj": torch.randn(2, dtype=torch.cfloat).conj(), "param": torch.nn.Parameter(torch.ones(2)),
+               "nested": [torch.arange(3), ("x", 1)]}
+    frames = wire.encode(message)
+    # sizes, pickle, then one frame per tensor (a Parameter's data is a plain tensor), in bytes
+    assert [f.nbytes for f in frames[2:]] == [24, 0, 4, 8, 2, 48, 16, 8, 24]
+    here, there = multiprocessing.Pipe()
+    wire.send(here, frames)
+    got = wire.receive(there)
+    for key, want in message.items():
+        if key == "nested":
+            assert torch.equal(got[key][0], want[0]) and got[key][1] == want[1]
+        else:
+            assert got[key].dtype == want.dtype and got[key].shape == want.shape
+            assert torch.equal(got[key].resolve_conj(), want.detach().resolve_conj()), key
 
 
 def test_a_world_size_the_mapping_cannot_serve_is_refused_before_any_worker_starts(checkpoint):
@@ -243,3 +268,11 @@ def test_a_driver_that_is_killed_or_exits_leaves_no_workers(checkpoint, mode):
     finally:
         proc.kill()
     assert _all_gone(started["workers"], within=10)
+
+
+@pytest.mark.full
+def test_the_chat_example_runs_from_a_plain_process_and_matches_the_unsharded_model():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "chat.py"), "--prompt", "Hello", "--new-tokens", "8",
+                           "--check", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matches the unsharded model: True" in proc.stdout and "ready in" in proc.stderr
