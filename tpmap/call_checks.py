@@ -24,7 +24,8 @@ from tpmap.spec.errors import InvalidCallError, did_you_mean
 
 _ID_INPUTS = ("input_ids", "decoder_input_ids")  # token-id arguments checked against the vocabulary
 _CACHE_INPUTS = ("cache", "past_key_values")  # transformers 5's name and the one it still accepts
-_CONSUMED_BY_DECORATORS = {"return_dict"}  # taken by transformers' output decorators, not in any signature
+# taken without being in a forward's signature: by transformers' output decorators, or renamed (the cache)
+_TAKEN_ANYWAY = {"return_dict", *_CACHE_INPUTS}
 
 
 def check_forward(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -64,7 +65,7 @@ def _bind(method, args: tuple, kwargs: dict, what: str, *, strict: bool = True) 
     extra = next((v for k, v in bound.arguments.items()
                   if signature.parameters[k].kind == inspect.Parameter.VAR_KEYWORD), {})
     if strict:
-        taken = set(signature.parameters) | TransformersKwargs.__optional_keys__ | _CONSUMED_BY_DECORATORS
+        taken = set(signature.parameters) | TransformersKwargs.__optional_keys__ | _TAKEN_ANYWAY
         unknown = sorted(k for k in extra if k not in taken)
         if unknown:
             raise TypeError(f"{what}() got an unexpected keyword argument {unknown[0]!r}"
@@ -82,6 +83,8 @@ def _check_attentions(named: dict, what: str) -> None:
 def _check_ids(model: nn.Module, named: dict) -> None:
     """Every token id in [0, vocabulary size), as the unsharded embedding requires."""
     vocab = _vocabulary_size(model)
+    if vocab is None:
+        return
     for name in _ID_INPUTS:
         ids = named.get(name)
         if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or ids.is_floating_point():
@@ -94,8 +97,14 @@ def _check_ids(model: nn.Module, named: dict) -> None:
                                    "up as zeros")
 
 
-def _vocabulary_size(model: nn.Module) -> int:
-    """The full vocabulary: a vocabulary-parallel embedding keeps the full size in ``num_embeddings``."""
-    embedding = model.get_input_embeddings()
-    rows = getattr(embedding, "num_embeddings", None)
-    return rows if isinstance(rows, int) else model.config.get_text_config().vocab_size
+def _vocabulary_size(model: nn.Module) -> int | None:
+    """The full vocabulary (a vocabulary-parallel embedding keeps the full size in ``num_embeddings``), else
+    the config's; None for a model with neither (no token ids to check)."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except NotImplementedError:  # transformers' answer for a model without token embeddings
+        rows = None
+    if isinstance(rows, int):
+        return rows
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None

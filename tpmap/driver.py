@@ -71,6 +71,8 @@ def parallelize(path, world_size: int, *, dtype=None, device=None, mapping=None,
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ParallelizeError(f"world_size must be a positive integer, not {world_size!r}")
+    if not timeout > 0 or (call_timeout is not None and not call_timeout > 0):
+        raise ParallelizeError(f"timeout ({timeout!r}) and call_timeout ({call_timeout!r}) must be positive seconds")
     devices = _devices(device, world_size)
     refused = sorted(k for k in from_pretrained_kwargs if k in _REFUSED)
     if refused:
@@ -102,9 +104,14 @@ def parallelize(path, world_size: int, *, dtype=None, device=None, mapping=None,
 def _devices(device, world_size: int) -> tuple[str, ...]:
     """One device name per worker."""
     if isinstance(device, (list, tuple)):
-        if len(device) != world_size:
-            raise ParallelizeError(f"device lists {len(device)} devices for {world_size} workers")
-        return tuple(str(torch.device(d)) for d in device)
+        chosen = [torch.device(d) for d in device]
+        if len(chosen) != world_size:
+            raise ParallelizeError(f"device lists {len(chosen)} devices for {world_size} workers")
+        if len({d.type for d in chosen}) != 1 or chosen[0].type not in ("cpu", "cuda"):
+            raise ParallelizeError(f"device {device!r}: every worker on 'cpu', or each on a GPU of its own")
+        if chosen[0].type == "cuda" and (None in {d.index for d in chosen} or len(set(chosen)) < world_size):
+            raise ParallelizeError(f"device {device!r}: name each worker's GPU, one GPU per worker (NCCL needs it)")
+        return tuple(str(d) for d in chosen)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     kind = torch.device(device)

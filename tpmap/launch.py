@@ -150,7 +150,10 @@ def _collectives() -> int | None:
     backend does not count them, which callers read as "not known to be in step"."""
     group = dist.distributed_c10d._get_default_group()
     count = getattr(group, "_get_sequence_number_for_group", None)
-    return count() if count is not None else None
+    try:
+        return count() if count is not None else None
+    except RuntimeError:  # a backend without the count: failures are then never taken to be in step
+        return None
 
 
 def _worker(rank: int, world_size: int, port: int, conn, parent: int, setup: Setup) -> None:
