@@ -63,6 +63,7 @@ def _all_gone(pids, within: float) -> bool:
 def test_generate_and_forward_equal_the_unsharded_model(checkpoint, handle):
     _, full = checkpoint
     assert handle.world_size == 2 and len(handle.pids) == 2
+    assert not torch.distributed.is_initialized()  # the driver holds no process group (and no weights)
     assert all(getattr(handle.config, k) == getattr(full.config, k)
                for k in ("model_type", "vocab_size", "num_attention_heads", "num_key_value_heads", "hidden_size"))
     assert handle.generation_config.pad_token_id == 0
@@ -176,6 +177,23 @@ def test_a_world_size_the_mapping_cannot_serve_is_refused_before_any_worker_star
 
 
 # -- full tier --------------------------------------------------------------------------------------
+@pytest.mark.full
+def test_an_encoder_decoder_generates_streams_and_forwards_as_the_unsharded_model(tmp_path):
+    from tpmap import verify
+
+    full = verify.build_model("t5", 0, "T5ForConditionalGeneration", init_std=0.2)
+    full.generation_config.update(pad_token_id=0, decoder_start_token_id=0)
+    full.save_pretrained(tmp_path)
+    ids, kwargs = PROMPT[:1], dict(max_new_tokens=6, do_sample=False)
+    with tpmap.parallelize(tmp_path, 2, device="cpu") as model:
+        want = full.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs), want)
+        assert [int(t) for t in model.stream(ids, **kwargs)] == want[0, 1:].tolist()  # after the start token
+        with torch.no_grad():
+            logits = full(input_ids=ids, decoder_input_ids=want[:, :4]).logits
+        assert _relative(model(input_ids=ids, decoder_input_ids=want[:, :4]).logits, logits) < 1e-5
+
+
 @pytest.mark.full
 def test_a_closed_handle_refuses_calls_and_a_second_close(checkpoint):
     model = tpmap.parallelize(checkpoint[0], 1, device="cpu")
