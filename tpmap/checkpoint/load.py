@@ -22,6 +22,7 @@ The result equals ``tpmap.apply(AutoModel...from_pretrained(path), world_size)``
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,8 +82,6 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     """
     import transformers.modeling_utils as hf_modeling
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.monkey_patching import patch_output_recorders
-    from transformers.utils import ContextManagers
     from transformers.utils.loading_report import (
         LoadStateDictInfo,
         log_state_dict_report,
@@ -90,36 +89,16 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
 
     group = api.process_group(group)
     tp_size, tp_rank = api.resolve_group(world_size, group)
-    kwargs = dict(hf_kwargs)
-    refused = sorted(k for k in kwargs if k in _NOT_HERE)
-    if refused:
-        raise TypeError("tpmap.from_pretrained does not take " + "; ".join(f"{k} ({_NOT_HERE[k]})" for k in refused))
-    if "torch_dtype" in kwargs:  # transformers' older name
-        dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
-    for name in ("mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict"):
-        kwargs.pop(name, None)  # transformers ignores these too
-    output_loading_info = kwargs.pop("output_loading_info", False)
-    key_mapping = kwargs.pop("key_mapping", None)
-    variant = kwargs.pop("variant", None)
-    generation_config = kwargs.pop("generation_config", None)
-    trust_remote_code = kwargs.pop("trust_remote_code", None)
-    implementations = {k: kwargs.pop(k) for k in ("attn_implementation", "experts_implementation") if k in kwargs}
-    folder = Path(path) / kwargs.pop("subfolder", "")
+    request = _Request.of(path, dtype, hf_kwargs)
+    folder, kwargs, generation_config = request.folder, request.config_kwargs, request.generation_config
     device = torch.device(device) if device is not None else torch.device("cpu")
 
-    checkpoint = Checkpoint.open(folder, variant)
-    config, cls, model_kwargs = _config_and_class(folder, model_class, kwargs, trust_remote_code)
-    block = block_size(folder, config)  # None: not quantized; every quantization but FP8 blocks is refused here
+    checkpoint = Checkpoint.open(folder, request.variant)
+    model, dtype = _meta_model(request, checkpoint, model_class)
+    block = block_size(folder, model.config)  # None: not quantized; every quantization but FP8 blocks is refused
     fp8 = Fp8Scales.take(checkpoint, block) if block is not None else None
-    for key, value in implementations.items():
-        setattr(config, f"_{key}", value)
-    config, dtype = hf_modeling._get_dtype("auto" if dtype is None else dtype, checkpoint.paths, config,
-                                           checkpoint.metadata, None, True, None)
-    with ContextManagers(cls.get_init_context(dtype, False, False, False)):
-        model = cls(config, **model_kwargs)
-        patch_output_recorders(model)
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
-    conversions = get_model_conversion_mapping(model, key_mapping, None)
+    conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
     dtype_of = _dtypes(model, dtype)
 
@@ -166,8 +145,75 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     if model.can_generate() and hasattr(model, "adjust_generation_fn"):
         model.adjust_generation_fn(generation_config, False, None, str(folder), cache_dir=None, force_download=False,
                                    proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
-                                   trust_remote_code=trust_remote_code, **kwargs)
-    return (model, info.to_dict()) if output_loading_info else model
+                                   trust_remote_code=request.trust_remote_code, **kwargs)
+    return (model, info.to_dict()) if request.output_loading_info else model
+
+
+def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
+    """The plan `from_pretrained` would execute at `world_size`, from the folder's config alone: the model is
+    built on the meta device, no weight is read and no process group is needed. Raises the planner's error
+    (a world size the mapping cannot serve, a model type without a mapping) where a caller can still stop
+    before starting any rank (`tpmap.parallelize` does, in its driver)."""
+    request = _Request.of(path, dtype, hf_kwargs)
+    checkpoint = Checkpoint.open(request.folder, request.variant)
+    try:
+        model, _ = _meta_model(request, checkpoint, model_class)
+        block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
+    finally:
+        checkpoint.close()
+    return planner.build_plan(model, api.load_mapping(model, mapping), world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Request:
+    """transformers' `from_pretrained` arguments, sorted: what tpmap refuses is refused, what it ignores is
+    dropped, the named ones are taken out and the rest (`config_kwargs`) are config overrides."""
+    folder: Path
+    dtype: object
+    variant: str | None
+    key_mapping: dict | None
+    generation_config: object
+    trust_remote_code: bool | None
+    output_loading_info: bool
+    implementations: dict
+    config_kwargs: dict
+
+    @classmethod
+    def of(cls, path, dtype, hf_kwargs: dict) -> _Request:
+        kwargs = dict(hf_kwargs)
+        refused = sorted(k for k in kwargs if k in _NOT_HERE)
+        if refused:
+            raise TypeError("tpmap.from_pretrained does not take " +
+                            "; ".join(f"{k} ({_NOT_HERE[k]})" for k in refused))
+        if "torch_dtype" in kwargs:  # transformers' older name
+            dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+        for name in ("mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict"):
+            kwargs.pop(name, None)  # transformers ignores these too
+        return cls(dtype=dtype, output_loading_info=kwargs.pop("output_loading_info", False),
+                   key_mapping=kwargs.pop("key_mapping", None), variant=kwargs.pop("variant", None),
+                   generation_config=kwargs.pop("generation_config", None),
+                   trust_remote_code=kwargs.pop("trust_remote_code", None),
+                   implementations={k: kwargs.pop(k) for k in ("attn_implementation", "experts_implementation")
+                                    if k in kwargs},
+                   folder=Path(path) / kwargs.pop("subfolder", ""), config_kwargs=kwargs)
+
+
+def _meta_model(request: _Request, checkpoint: Checkpoint, model_class):
+    """(the model on the meta device as transformers builds it before loading, its dtype)."""
+    import transformers.modeling_utils as hf_modeling
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils import ContextManagers
+
+    config, cls, model_kwargs = _config_and_class(request.folder, model_class, request.config_kwargs,
+                                                  request.trust_remote_code)
+    for key, value in request.implementations.items():
+        setattr(config, f"_{key}", value)
+    config, dtype = hf_modeling._get_dtype("auto" if request.dtype is None else request.dtype, checkpoint.paths,
+                                           config, checkpoint.metadata, None, True, None)
+    with ContextManagers(cls.get_init_context(dtype, False, False, False)):
+        model = cls(config, **model_kwargs)
+        patch_output_recorders(model)
+    return model, dtype
 
 
 def _config_and_class(folder: Path, model_class, kwargs: dict, trust_remote_code):

@@ -14,7 +14,10 @@ __all__ = [
     "ConfigAttributeError",
     "DivisibilityError",
     "DraftError",
+    "HandleBusyError",
+    "HandleClosedError",
     "InputMismatchError",
+    "InvalidCallError",
     "LoadError",
     "LossParallelError",
     "MappingError",
@@ -22,6 +25,7 @@ __all__ = [
     "MetaDeviceError",
     "MissingInputError",
     "ModuleKindError",
+    "ParallelizeError",
     "PartialMappingWarning",
     "PatternMatchError",
     "Position",
@@ -151,6 +155,27 @@ class QuantizedCheckpointError(CheckpointError):
 
 class LoadError(TpmapError):
     """Loading failed on another rank (every rank raises, so none is left waiting in a collective)."""
+
+
+class ParallelizeError(TpmapError):
+    """`tpmap.parallelize` was asked for workers it cannot start: a world size that is not a positive integer,
+    a device it cannot place them on, more GPUs than the machine has."""
+
+
+class InvalidCallError(TpmapError):
+    """A call to a `tpmap.parallelize` handle that its workers refuse before running the model: token ids
+    outside the vocabulary, or an output that would stay split across the workers (the cache, attention
+    weights). Raised on every worker alike, so the handle stays usable."""
+
+
+class HandleClosedError(TpmapError):
+    """A `tpmap.parallelize` handle was used after `close()` (or closed twice), or after its workers were
+    stopped by a failure; the message says which."""
+
+
+class HandleBusyError(TpmapError):
+    """A `tpmap.parallelize` handle was called from the thread whose streamed generate is still open; finish
+    or close that stream first."""
 
 
 def did_you_mean(word: str, choices) -> str:
