@@ -111,3 +111,19 @@ def test_vocab_parallel_keeps_an_embedding_subclass_forward(ranks, name, ws):
         assert r["same_embed_scale"], r
         assert r["rows"] == -(-r["vocab"] // ws), r  # really split along the vocabulary
         assert r["rel"] <= verify.RTOL, r
+
+
+def test_a_verify_configs_own_tolerance_is_the_bound_verify_judges_by():
+    """verify.judge holds a config to its declared `tolerance` (Jamba's hybrid-kv6: 3e-5) and every other
+    config to verify.RTOL (1e-5): an error of 2e-5 fails the second and passes the first."""
+    def judged(ref, index, rel):
+        per_rank = [{"max_diff": rel, "scale": 1.0, "bad_fraction": [], "shape_ok": True, "params_local": 1,
+                     "params_full": 2}]
+        case = verify.Case(ref=ref, model_type=ref, verify_index=index, config_name="", class_name="", world_size=3)
+        return verify.judge(case, per_rank)
+
+    jamba = [s.name for s in verify.resolve("jamba").mapping.verify].index("hybrid-kv6")
+    assert verify.resolve("jamba").mapping.verify[jamba].tolerance.forward == 3e-5
+    assert judged("jamba", jamba, 2e-5).passed and not judged("jamba", jamba, 4e-5).passed
+    assert not judged("llama", 0, 2e-5).passed and judged("llama", 0, 9e-6).passed
+    assert "(> 1e-05)" in judged("llama", 0, 2e-5).error
