@@ -55,3 +55,14 @@ def run_case(ranks, case: verify.Case) -> verify.Result:
         verify.forward_case(*args)]
     assert len(per_rank) == case.world_size
     return verify.judge(case, per_rank)
+
+
+def assert_caught(ranks, path, name: str) -> None:
+    """A known-wrong mapping at `path` is caught at world size 2: a large difference or an error, never a pass."""
+    try:
+        result = run_case(ranks, first_case(path, 2))
+    except Exception as e:  # a shape error inside the forward is also a catch
+        assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError)
+        return
+    assert not result.passed
+    assert result.rel_diff > 1e-3, f"wrong mapping {name} was off by only {result.rel_diff:.2g}"
