@@ -91,6 +91,9 @@ class EntryContext:
             raise ConfigAttributeError(
                 f"the {type(self.config).__name__} cannot give one value of {name!r}: {e}. Use an attribute "
                 "that holds one value for every layer, or split the entry with `when`") from e
+        defaults = self.loaded.mapping.config_defaults
+        if name in defaults:  # absent from this config: the default the model itself reads
+            return defaults[name]
         # else an attribute of exactly one sub-config (DBRX keeps moe_num_experts in ffn_config)
         subs = {key: sub for key in getattr(self.config, "sub_configs", None) or {}
                 if isinstance(sub := getattr(self.config, key, None), PretrainedConfig)}
@@ -148,7 +151,7 @@ class Planner:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         for i, entry in enumerate(self.loaded.mapping.entries):
-            if not config_matches(entry.when, self.config):
+            if not config_matches(entry.when, self.config, self.loaded.mapping.config_defaults):
                 continue
             self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
@@ -548,7 +551,7 @@ def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: li
     all; the returned plan then leaves the failed entries out.
     """
     for k, variant in enumerate(loaded.mapping.unsupported):
-        if config_matches(variant.when, model.config):
+        if config_matches(variant.when, model.config, loaded.mapping.config_defaults):
             e = UnsupportedConfigError(f"this {type(model.config).__name__} is a variant the mapping does not "
                                        f"support ({variant.when}): {variant.reason}",
                                        loaded.source.value(("unsupported", k, "when")), "unsupported")
@@ -589,7 +592,7 @@ def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
     """
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
-        if not config_matches(entry.when, config):
+        if not config_matches(entry.when, config, loaded.mapping.config_defaults):
             continue
         ctx = EntryContext(config, loaded, i, 1)
         for key, value in expression_keys(entry):

@@ -193,7 +193,8 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     for t in plan.tensors:
         owner, _, pname = t.name.rpartition(".")
         rel = owner[len(prefix):]
-        claims = [i for i, e in enumerate(entries) if isinstance(e, Param) and config_matches(e.when, full.config)
+        claims = [i for i, e in enumerate(entries)
+                  if isinstance(e, Param) and config_matches(e.when, full.config, loaded.mapping.config_defaults)
                   and pname in e.params and rel in match_entry(e, modules)]
         assert len(claims) == 1, (t.name, claims)
         entry = entries[claims[0]]

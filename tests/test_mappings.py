@@ -107,3 +107,14 @@ def test_every_not_checked_claim_names_the_failure_that_proves_it():
     declared = {(m, spec.name, check) for m in source.shipped_files() for spec in verify.resolve(m).mapping.verify
                 for check in spec.not_checked}
     assert declared == set(NOT_CHECKED_FAILS)
+
+
+@pytest.mark.parametrize("model_type", [t for t in source.shipped_files()
+                                        if verify.resolve(t).mapping.config_defaults])
+def test_each_declared_config_default_is_proven_on_a_config_that_lacks_the_attribute(model_type):
+    """`config_defaults` exists for configs without the attribute (DeBERTa-v2 without share_att_key): a verify
+    config must leave it out, so the absent case runs on real ranks, not only the case that sets it."""
+    mapping = verify.resolve(model_type).mapping
+    for key in mapping.config_defaults:
+        assert any(key not in spec.config for spec in mapping.verify), (
+            f"{model_type}: every verify config sets {key!r}; leave it out of one to prove the default")

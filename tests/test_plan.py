@@ -164,3 +164,32 @@ def test_shipped_scaled_word_embeddings_route_through_the_lookup():
     for model_type in ("gemma2", "gemma3_text", "bart"):
         emb = meta_model(model_type).get_input_embeddings()
         assert type(emb).__name__.endswith("ScaledWordEmbedding") and lookup_bypass(type(emb)) is None
+
+
+def test_when_reads_an_absent_attribute_as_its_declared_default_else_null():
+    from types import SimpleNamespace
+
+    from tpmap.spec.schema import config_matches
+
+    lacks, has = SimpleNamespace(), SimpleNamespace(share_att_key=True)
+    assert not config_matches({"share_att_key": False}, lacks)  # absent, no default: null, not False
+    assert config_matches({"share_att_key": None}, lacks)
+    assert not config_matches({"share_att_key": {"not": None}}, lacks)
+    assert config_matches({"share_att_key": False}, lacks, {"share_att_key": False})  # the model's default
+    assert not config_matches({"share_att_key": None}, lacks, {"share_att_key": False})
+    assert not config_matches({"share_att_key": False}, has, {"share_att_key": False})  # the config's value wins
+    either = {"share_att_key": [True, None]}
+    assert config_matches(either, has) and config_matches(either, lacks)
+
+
+def test_expressions_read_a_declared_default_where_the_config_lacks_it():
+    from tpmap.spec import source
+
+    loaded = source.load_text(
+        "model_type: llama\nconfig_defaults: {head_groups: 2}\nentries:\n"
+        "  - {kind: Column, module: layers.*.self_attn.q_proj, heads: num_attention_heads // head_groups * 2}\n"
+        "verify:\n  - {config: {}, models: [LlamaForCausalLM]}\n", "m.yaml")
+    from tpmap.engine import planner
+
+    ctx = planner.EntryContext(transformers.LlamaConfig(), loaded, 0, 1)
+    assert ctx.eval("num_attention_heads // head_groups") == 16

@@ -34,6 +34,7 @@ REQUIRED = {
     "param_partial_with_dim": "wrong-type", "reduce_no_match": "pattern-no-match",
     "input_argument": "module-kind", "norm_module_kind": "module-kind", "when_never": "when-never",
     "groups_divisibility": "divisibility", "unsupported_variant": "unsupported", "when_operator": "wrong-type",
+    "when_undefined_attribute": "when-attribute", "config_default_defined": "when-attribute",
 }
 
 

@@ -32,6 +32,9 @@ RULES: dict[str, str] = {
     "pairing": "a Column's output reaches a Row in the same block (or is gathered), and every Row input is split",
     "divisibility": "heads, features and Update expressions divide at every declared world size",
     "unsupported": "no config lint checks (default or verify) is a variant the mapping declares unsupported",
+    "when-attribute": "every `when` key is an attribute the config class defines or one declared in "
+                      "config_defaults (with the default the model reads); config_defaults names no attribute the "
+                      "class defines",
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 

@@ -284,6 +284,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
         for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config)):
             report.add(d)
+    for d in when_attributes(loaded, default, valid_keys):
+        report.add(d)
     report.add_errors(planner.check_expressions(default, loaded))
     configs = [("the default config", default)]  # every config lint checks, for `when`
 
@@ -380,16 +382,47 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     return report.items
 
 
+def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> list[Diagnostic]:
+    """A `when` key the config class does not define reads null on every config that lacks it, which is
+    rarely what the model does: transformers reads such attributes with its own default
+    (``getattr(config, "share_att_key", False)``), so the mapping must declare that default in
+    `config_defaults`. A `config_defaults` key the class defines is never used: an error too."""
+    mapping, src = loaded.mapping, loaded.source
+    name = type(default).__name__
+    out = []
+    whens = [(("entries", i, "when"), e.when) for i, e in enumerate(mapping.entries) if e.when]
+    whens += [(("unsupported", k, "when"), u.when) for k, u in enumerate(mapping.unsupported)]
+    for where, when in whens:
+        for key in when:
+            if key in valid_keys or key in mapping.config_defaults:
+                continue
+            out.append(Diagnostic.at(src.key((*where, key)), "when-attribute",
+                                     f"the {name} does not define {key!r}{did_you_mean(key, valid_keys)}, so a "
+                                     f"config without it reads null here. If the model reads it with a default "
+                                     f"(getattr(config, {key!r}, <default>)), declare that default: "
+                                     f"config_defaults: {{{key}: <default>}}"))
+    for key in mapping.config_defaults:
+        if key in valid_keys:
+            out.append(Diagnostic.at(src.key(("config_defaults", key)), "when-attribute",
+                                     f"the {name} defines {key!r} (default {getattr(default, key, None)!r}), so "
+                                     "this default is never read: remove it"))
+    return out
+
+
 def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
     """An entry whose `when` matches none of the configs lint checks is never checked nor proven: add a
-    verify config of that variant, or fix the condition (a misspelt attribute never matches)."""
+    verify config of that variant, or fix the condition. `configs`: the default config first, then the verify ones."""
     out = []
+    defaults = loaded.mapping.config_defaults
+    defined = config_keys(configs[0][1]) | set(defaults)  # configs[0]: the default config (what the class defines)
     for i, entry in enumerate(loaded.mapping.entries):
-        if not entry.when or any(config_matches(entry.when, c) for _, c in configs):
+        if not entry.when or any(config_matches(entry.when, c, defaults) for _, c in configs):
             continue
+        if not set(entry.when) <= defined:
+            continue  # an attribute no config class defines: `when_attributes` reports it
         for key, want in entry.when.items():
-            seen = {label: getattr(c, key, "<missing>") for label, c in configs}
-            if all(not config_matches({key: want}, c) for _, c in configs):
+            seen = {label: getattr(c, key, defaults.get(key, "<missing>")) for label, c in configs}
+            if all(not config_matches({key: want}, c, defaults) for _, c in configs):
                 if all(v == "<missing>" for v in seen.values()):
                     keys = set().union(*(set(c.to_dict()) for _, c in configs))
                     why = f"no config has an attribute {key!r}{did_you_mean(key, keys)}"

@@ -29,7 +29,9 @@ Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms acros
   the statistics are all-reduced (forward and backward), the weight is split with its features.
 
 Every entry may carry ``when: {config_attribute: value}``: it applies only to configs that match, so
-one file covers a family's config variants.
+one file covers a family's config variants. An attribute that a config lacks reads as the mapping's
+``config_defaults`` value for it (the default the model's own ``getattr(config, key, default)`` uses), else
+as ``null``.
 
 Module patterns are dotted paths relative to the model's *base model* (``model.base_model`` in
 transformers: ``transformer`` in GPT2LMHeadModel, ``model`` in LlamaForCausalLM, the model itself for
@@ -117,15 +119,24 @@ When = Annotated[
 ]
 
 
-def config_matches(when: dict[str, Any] | None, config) -> bool:
-    """True when `config` has every attribute of `when` at a required value (see `When`)."""
+def config_value(config, key: str, defaults: dict[str, Any] | None = None):
+    """What a `when` condition reads for `key`: the config's attribute; where the config lacks it, the
+    mapping's declared default (`Mapping.config_defaults`, what the model's own
+    ``getattr(config, key, default)`` reads); else ``None``, so an absent attribute matches ``null``."""
+    missing = object()
+    have = getattr(config, key, missing)
+    if have is missing:
+        return (defaults or {}).get(key)
+    return have
+
+
+def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any] | None = None) -> bool:
+    """True when `config` has every attribute of `when` at a required value (see `When`). An attribute the
+    config lacks reads as its `defaults` value, or as None (see `config_value`)."""
     if not when:
         return True
-    missing = object()
     for key, want in when.items():
-        have = getattr(config, key, missing)
-        if have is missing:
-            return False
+        have = config_value(config, key, defaults)
         if isinstance(want, dict):
             (op, value), = want.items()
             ok = _WHEN_OPS[op](have, value)
@@ -477,6 +488,12 @@ class Mapping(_Strict):
         {}, description="values that transformers' default config of this model type lacks to build at all "
         "(a transformers bug, e.g. DBRX in 5.24 reads attn_config.rope_theta that its config does not define); "
         "lint applies them to the default config it checks `world_sizes` on. Real checkpoints carry their own."
+    )
+    config_defaults: dict[str, Any] = Field(
+        {}, description="attributes that a config of this model type may lack and that the model reads with a "
+        "default (DeBERTa-v2's getattr(config, 'share_att_key', False)), with that default: `when` conditions and "
+        "expressions read it where the config lacks the attribute. Lint refuses a `when` on an attribute that the "
+        "config class does not define unless it is declared here; an absent attribute without a default reads null"
     )
     unsupported: list[Unsupported] = Field(
         [], description="config variants refused by apply and lint, each with its reason"
