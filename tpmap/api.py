@@ -6,9 +6,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpmap.compat import check_transformers, mapping_applies
 from tpmap.engine import planner, shard
 from tpmap.engine.plan import Plan
 from tpmap.engine.sequence import install_sequence_parallel
@@ -22,6 +24,7 @@ from tpmap.spec.errors import (
     MetaDeviceError,
     PartialMappingWarning,
     ProcessGroupError,
+    TransformersVersionError,
 )
 from tpmap.spec.schema import Mapping
 from tpmap.spec.source import LoadedMapping, SourceMap, for_model_type, load_file
@@ -32,7 +35,19 @@ SEQUENCE_ATTR = "tpmap_sequence"  # sequence parallelism's state (engine.sequenc
 
 
 def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
-    """The mapping for `model`: the shipped one for its model_type, a file path, or a Mapping object."""
+    """The mapping for `model`: the shipped one for its model_type, a file path, or a Mapping object. Raises
+    TransformersVersionError where the installed transformers is outside tpmap's tested range or the mapping's."""
+    check_transformers()
+    loaded = _load_mapping(model, mapping)
+    if not mapping_applies(loaded.mapping.transformers):
+        raise TransformersVersionError(
+            f"the mapping needs transformers{loaded.mapping.transformers} and transformers "
+            f"{transformers.__version__} is installed: install a release in that range",
+            loaded.source.value(("transformers",)))
+    return loaded
+
+
+def _load_mapping(model: nn.Module, mapping) -> LoadedMapping:
     model_type = model.config.model_type
     if mapping is None:
         return for_model_type(model_type)

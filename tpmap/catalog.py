@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpmap.compat import PROVEN, TRANSFORMERS
 from tpmap.engine import planner
 from tpmap.spec import source
 
@@ -109,6 +110,8 @@ def rows() -> list[Row]:
         for check, reason in mapping.verify[0].not_checked.items():
             notes.append(f"{check} not run ({reason})")
         notes += [f"unsupported: {u.reason}" for u in mapping.unsupported]
+        if mapping.transformers:
+            notes.append(f"needs transformers{mapping.transformers}")
         classes = list(dict.fromkeys(c for spec in mapping.verify for c in spec.models))
         out.append(Row(model_type, classes, forward, gradient, "grad_fp64" in mapping.verify[0].not_checked, generate,
                        features(mapping), share_at(mapping, loaded),
@@ -129,6 +132,11 @@ def render(table: list[Row]) -> str:
         "sizes; *gradients* = every rank's gradient equals its slice of the unsharded gradient (fp32 1e-4,",
         "fp64 1e-6 relative); *generate* = greedy tokens identical to the unsharded model on every rank.",
         "*Share* = parameters one rank holds at world size 4 / all parameters (first verify config).",
+        "",
+        f"Transformers versions proven: {' and '.join(PROVEN)}, the oldest and the newest release of the range "
+        f"tpmap accepts (transformers{TRANSFORMERS}; `tpmap.compat`): CI runs every check below on {PROVEN[-1]} "
+        f"and lints and verifies (forward, every world size) every mapping on {PROVEN[0]}. A mapping with its "
+        "own `transformers` range is checked only on the releases in it (its notes say so).",
         "",
         f"{len(table)} model types.",
         "",

@@ -38,6 +38,11 @@ RULES: dict[str, str] = {
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 
+# notes: printed, but not errors (the exit status stays 0)
+NOTES: dict[str, str] = {
+    "transformers-version": "the file's own `transformers` range excludes the installed release: not checked on it",
+}
+
 
 class LintUsageError(TpmapError):
     """The command line names no lintable file (exit status 2)."""

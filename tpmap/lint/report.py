@@ -30,7 +30,8 @@ def text(files: list[str], diagnostics: list[Diagnostic]) -> str:
             out.append(line)
             # keep tabs so that the caret lines up however the terminal expands them
             out.append("".join(c if c == "\t" else " " for c in line[: d.col - 1]) + "^")
-    n, bad = len(diagnostics), len({d.path for d in diagnostics})
+    errors = [d for d in diagnostics if d.severity == "error"]
+    n, bad = len(errors), len({d.path for d in errors})
     if n:
         out.append(f"{n} error{'s' * (n != 1)} in {bad} of {len(files)} file{'s' * (len(files) != 1)}")
     else:

@@ -16,6 +16,7 @@ A problem found once is not repeated: a later model or world size only adds prob
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
@@ -25,10 +26,11 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from tpmap.compat import mapping_applies
 from tpmap.engine import planner
 from tpmap.engine.blocks import block_of, block_prefixes
 from tpmap.lint.diagnostic import Diagnostic
-from tpmap.meta import build_meta, config_keys, reduced_default_config
+from tpmap.meta import auto_classes, build_meta, config_keys, reduced_default_config
 from tpmap.spec import expr
 from tpmap.spec.errors import TpmapError, did_you_mean
 from tpmap.spec.patterns import (
@@ -243,6 +245,11 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     """Every problem of a mapping that passed the schema, found against the real model classes."""
     mapping, src = loaded.mapping, loaded.source
     report = _Report()
+    if not mapping_applies(mapping.transformers):
+        note = Diagnostic.at(src.value(("transformers",)), "transformers-version",
+                             f"not checked: the mapping needs transformers{mapping.transformers}, and "
+                             f"{transformers.__version__} is installed")
+        return [dataclasses.replace(note, severity="note")]
     if mapping.model_type not in transformers.CONFIG_MAPPING:
         report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
                                  f"{mapping.model_type!r} is not a model_type of transformers "
@@ -270,7 +277,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(pos, "unknown-model-class",
                                          f"{name!r} is not a transformers model class; use a class name such as "
                                          f"{_example_class(type(default))}"))
-            elif config_type != mapping.model_type:
+            elif config_type != mapping.model_type and name not in auto_classes(mapping.model_type):
                 report.add(Diagnostic.at(pos, "unknown-model-class",
                                          f"{name} is a model class for model_type {config_type!r}, not "
                                          f"{mapping.model_type!r}"))

@@ -33,6 +33,7 @@ __all__ = [
     "QuantizedCheckpointError",
     "SequenceParallelError",
     "TpmapError",
+    "TransformersVersionError",
     "UnknownModelTypeError",
     "UnsupportedConfigError",
     "did_you_mean",
@@ -146,6 +147,10 @@ class SequenceParallelError(TpmapError):
     """`sequence_parallel=True` was asked of a model whose blocks cannot run on sequence-split tokens (MoE
     experts and routers, SSM mixers, convolutions), or a forward broke its assumptions (hidden states that
     are not batch first)."""
+
+
+class TransformersVersionError(TpmapError):
+    """The installed transformers is outside the range tpmap is tested on (tpmap.compat.TRANSFORMERS)."""
 
 
 class QuantizedCheckpointError(CheckpointError):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -489,6 +490,11 @@ class Mapping(_Strict):
         "(a transformers bug, e.g. DBRX in 5.24 reads attn_config.rope_theta that its config does not define); "
         "lint applies them to the default config it checks `world_sizes` on. Real checkpoints carry their own."
     )
+    transformers: str | None = Field(
+        None, description="the transformers releases this mapping needs, a PEP 440 range such as '>=5.24', where "
+        "it is narrower than tpmap's own (the model type or a module attribute it relies on appeared in a later "
+        "release): lint and verify skip the file on other releases, saying so, and apply refuses it"
+    )
     config_defaults: dict[str, Any] = Field(
         {}, description="attributes that a config of this model type may lack and that the model reads with a "
         "default (DeBERTa-v2's getattr(config, 'share_att_key', False)), with that default: `when` conditions and "
@@ -515,6 +521,16 @@ class Mapping(_Strict):
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
+
+    @field_validator("transformers")
+    @classmethod
+    def _check_transformers(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                SpecifierSet(v)
+            except InvalidSpecifier:
+                raise ValueError(f"{v!r} is not a version range; write one such as '>=5.24'") from None
+        return v
 
     _v_replicated = field_validator("replicated", "grad_allreduce")(
         lambda v: [_check_pattern(p) if isinstance(p, str) else p for p in v])
