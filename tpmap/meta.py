@@ -60,3 +60,17 @@ def config_keys(config) -> set[str]:
 def build_meta(cls, config):
     with torch.device("meta"):  # shapes only: no memory, no weights read, nothing initialised
         return cls(config)
+
+
+def auto_classes(model_type: str) -> set[str]:
+    """Every class name that one of transformers' auto mappings (MODEL_*_MAPPING_NAMES) registers for
+    `model_type`: a model type may reuse another's classes (transformers builds LlamaForCausalLM for
+    InternLM3Config), which are then classes of this model type too."""
+    from transformers.models.auto import modeling_auto
+
+    out: set[str] = set()
+    for name, table in vars(modeling_auto).items():
+        if name.startswith("MODEL_") and name.endswith("_MAPPING_NAMES") and isinstance(table, dict):
+            value = table.get(model_type)
+            out.update([value] if isinstance(value, str) else value or ())
+    return out
