@@ -32,6 +32,8 @@ RULES: dict[str, str] = {
     "pairing": "a Column's output reaches a Row in the same block (or is gathered), and every Row input is split",
     "divisibility": "heads, features and Update expressions divide at every declared world size",
     "unsupported": "no config lint checks (default or verify) is a variant the mapping declares unsupported",
+    "compose": "each composed sub-model has a mapping (shipped for its model type, or the file named), without "
+               "a cycle",
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 
