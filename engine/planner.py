@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from tpmap.engine import pieces as split
 from tpmap.engine.layers import lookup_bypass
 from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamShard, Plan
-from tpmap.spec import expr
+from tpmap.spec import compose, expr
 from tpmap.spec.errors import (
     ConfigAttributeError,
     DivisibilityError,
@@ -40,6 +40,24 @@ def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
         if mod is base:
             return base, name + "."
     raise AssertionError("model.base_model is not a submodule of the model")
+
+
+def composed(model: nn.Module, loaded: LoadedMapping, errors: list[TpmapError] | None = None) -> LoadedMapping:
+    """`loaded` with its `compose` items expanded over `model`'s sub-models (`tpmap.spec.compose`): ordinary
+    entries whose patterns reach the sub-model's own base model and whose expressions read its sub-config.
+    `loaded` itself when it composes nothing. With `errors`, problems are collected (tpmap lint)."""
+    if not loaded.mapping.compose:
+        return loaded
+    base, prefix = base_prefix(model)
+    modules = dict(base.named_modules())
+
+    def submodel(path: str) -> tuple[str, str] | None:
+        module = modules.get(path) if path else None
+        if module is None:
+            return None
+        return f"{path}.{base_prefix(module)[1]}", f"{prefix}{path} ({type(module).__name__})"
+
+    return compose.expand(loaded, model.config, submodel, [n for n in modules if n], errors)
 
 
 def expression_keys(entry) -> list[tuple[tuple, Any]]:
@@ -77,13 +95,17 @@ class EntryContext:
     every error it raises."""
 
     def __init__(self, config: PretrainedConfig, loaded: LoadedMapping, index: int, tp_size: int):
-        self.config, self.loaded, self.index, self.tp_size = config, loaded, index, tp_size
+        """`config` is the model's; a composed entry reads its sub-model's sub-config."""
+        self.loaded, self.index, self.tp_size = loaded, index, tp_size
+        self.config = loaded.config_of("entries", index, config)
         self.entry = loaded.mapping.entries[index]
 
     def pos(self, *key):
         return self.loaded.source.value(("entries", self.index) + key)
 
     def lookup(self, name: str) -> int:
+        if "." in name:  # a sub-config's attribute by its path: vision_config.image_size
+            return attribute_path(self.config, name)
         try:
             if hasattr(self.config, name):
                 return getattr(self.config, name)
@@ -116,9 +138,21 @@ class EntryContext:
             raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
     def error(self, cls, message: str, *key, rule: str) -> TpmapError:
-        e = self.entry
-        text = f"entry {self.index} ({e.kind} {e.module!r}): {message}"
-        return cls(text, self.pos(*key), rule)
+        return cls(f"{self.loaded.label(self.index)}: {message}", self.pos(*key), rule)
+
+
+def attribute_path(config, name: str):
+    """The value at a dotted attribute path of a config (vision_config.image_size), or a ConfigAttributeError
+    naming the part that is missing."""
+    value = config
+    parts = name.split(".")
+    for k, part in enumerate(parts):
+        if not hasattr(value, part):
+            keys = set(value.to_dict()) if hasattr(value, "to_dict") else set()
+            owner = type(config).__name__ + "".join("." + p for p in parts[:k])
+            raise ConfigAttributeError(f"{owner} has no attribute {part!r}{did_you_mean(part, keys)}")
+        value = getattr(value, part)
+    return value
 
 
 class Planner:
@@ -151,7 +185,8 @@ class Planner:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         for i, entry in enumerate(self.loaded.mapping.entries):
-            if not config_matches(entry.when, self.config, self.loaded.mapping.config_defaults):
+            if not config_matches(entry.when, self.loaded.config_of("entries", i, self.config),
+                                  self.loaded.mapping.config_defaults):
                 continue
             self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
@@ -179,7 +214,7 @@ class Planner:
         """Each tensor is split by one entry only."""
         if name in self.owner:
             j = self.owner[name]
-            raise ctx.error(PatternMatchError, f"{name} is already claimed by entry {j} "
+            raise ctx.error(PatternMatchError, f"{name} is already claimed by {self.loaded.label(j)} "
                             f"({self.loaded.source.value(('entries', j, 'module'))}); each parameter may be "
                             "split by one entry only", "module", rule="double-match")
         self.owner[name] = ctx.index
@@ -524,9 +559,8 @@ class Planner:
         for names in names_by_parameter(self.model).values():
             if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
                 entry = next(self.owner[n] for n in names if n in self.owner)
-                e = self.loaded.mapping.entries[entry]
                 self.fail(PatternMatchError(
-                    f"entry {entry} ({e.kind} {e.module!r}): parameter {names[0]} is tied to {', '.join(names[1:])}; "
+                    f"{self.loaded.label(entry)}: parameter {names[0]} is tied to {', '.join(names[1:])}; "
                     "shard all of them with the same entry or none",
                     self.loaded.source.value(("entries", entry, "module")), "tied-parameter"))
 
@@ -545,14 +579,17 @@ def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
 def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[TpmapError] | None = None) -> Plan:
     """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data.
 
+    A mapping that composes others (``compose``) is expanded over the model first (`composed`).
     Entries whose ``when`` does not match the model's config are skipped. Raises the first problem
     found. With an `errors` list, problems are appended to it instead and checking goes on with the
     next entry (one problem per entry, one per attribute of an Update), so `tpmap lint` reports them
     all; the returned plan then leaves the failed entries out.
     """
+    loaded = composed(model, loaded, errors)
     for k, variant in enumerate(loaded.mapping.unsupported):
-        if config_matches(variant.when, model.config, loaded.mapping.config_defaults):
-            e = UnsupportedConfigError(f"this {type(model.config).__name__} is a variant the mapping does not "
+        config = loaded.config_of("unsupported", k, model.config)
+        if config_matches(variant.when, config, loaded.mapping.config_defaults):
+            e = UnsupportedConfigError(f"this {type(config).__name__} is a variant the mapping does not "
                                        f"support ({variant.when}): {variant.reason}",
                                        loaded.source.value(("unsupported", k, "when")), "unsupported")
             if errors is None:
@@ -592,9 +629,9 @@ def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
     """
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
-        if not config_matches(entry.when, config, loaded.mapping.config_defaults):
-            continue
         ctx = EntryContext(config, loaded, i, 1)
+        if not config_matches(entry.when, ctx.config, loaded.mapping.config_defaults):
+            continue
         for key, value in expression_keys(entry):
             for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):
                 try:

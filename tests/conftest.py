@@ -39,6 +39,7 @@ REPRESENTATIVE = {
     "olmoe",        # Norm (q/k statistics over split features) in an MoE
     "gpt_oss",      # partial: an expert bias added once inside the partial sum
     "fsmt",         # gather_output, a partial mapping (attention kept whole), not_checked grad_fp64
+    "llava",        # compose: a language model and a vision tower mapped by their own files; image inputs
 }
 DEFAULT_WORLD_SIZE = 2
 # a test using one of these runs models per family: on real ranks, or saved to and loaded from a checkpoint

@@ -354,7 +354,9 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
                   new_tokens: int = 20, loss_parallel: bool = False) -> dict:
     """Greedy generate, batch 2: the same tokens as the unsharded model on every rank. Token prompts are
     left-padded (decoder-only); a model whose main input is not input_ids (Whisper's input_features)
-    generates from its verify config's example of that input."""
+    generates from its verify config's example of that input, and a verify config that declares other
+    inputs (images: pixel_values, and input_ids holding their image tokens) generates from its example
+    inputs, unpadded."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     cfg = full.config
@@ -362,7 +364,12 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
     pad = getattr(cfg, "pad_token_id", None)  # CodeGenConfig has none
     pad = pad if pad is not None else 0
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-    if full.main_input_name == "input_ids":
+    declared = verify.resolve(ref).mapping.verify[verify_index].inputs
+    if full.main_input_name == "input_ids" and set(declared) - {"input_ids", "attention_mask"}:
+        inputs = verify.case_inputs(ref, verify_index, full)
+        prompt = inputs.pop("input_ids")
+        kwargs.update(inputs, attention_mask=torch.ones_like(prompt))
+    elif full.main_input_name == "input_ids":
         gen = torch.Generator().manual_seed(verify.stable_seed(f"{ref}/{verify_index}/generate"))
         prompt = torch.randint(3, cfg.get_text_config().vocab_size, (2, 7), generator=gen)  # Fuyu: text_config
         mask = torch.ones_like(prompt)
@@ -635,12 +642,12 @@ def expected_share(ref: str, verify_index: int, class_name: str) -> dict:
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
-    from tpmap.engine.planner import base_prefix
+    from tpmap.engine.planner import base_prefix, composed
     from tpmap.spec.patterns import match_modules
 
     ws, rank = dist.get_world_size(), dist.get_rank()
-    loaded = verify.resolve(ref)
     full = verify.build_model(ref, verify_index, class_name)
+    loaded = composed(full, verify.resolve(ref))  # a composing mapping's replicated patterns included
     plan = tpmap.plan(full, ws, mapping=loaded)
     splits = slicing_reference.splits(full, loaded, plan, ws)
     absent = []  # ModuleList items dealt to other ranks

@@ -154,11 +154,12 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     name it), everything else from the entry's fields, the config and the module kinds."""
     from torch import nn
 
-    from tpmap.engine.planner import EntryContext, base_prefix
+    from tpmap.engine.planner import EntryContext, base_prefix, composed
     from tpmap.spec.expr import evaluate as evaluate_expr
     from tpmap.spec.patterns import match_entry
     from tpmap.spec.schema import Column, Norm, Param, config_matches
 
+    loaded = composed(full, loaded)  # a composing mapping's entries, as the plan numbers them
     entries = loaded.mapping.entries
 
     def evaluator(index: int):
@@ -193,8 +194,9 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     for t in plan.tensors:
         owner, _, pname = t.name.rpartition(".")
         rel = owner[len(prefix):]
-        claims = [i for i, e in enumerate(entries)
-                  if isinstance(e, Param) and config_matches(e.when, full.config, loaded.mapping.config_defaults)
+        claims = [i for i, e in enumerate(entries) if isinstance(e, Param)
+                  and config_matches(e.when, loaded.config_of("entries", i, full.config),
+                                       loaded.mapping.config_defaults)
                   and pname in e.params and rel in match_entry(e, modules)]
         assert len(claims) == 1, (t.name, claims)
         entry = entries[claims[0]]

@@ -46,6 +46,8 @@ def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
 def features(mapping) -> list[str]:
     """The schema features a mapping uses, in the terms of docs/mapping-schema.md."""
     out: dict[str, None] = {}
+    if mapping.compose:
+        out["compose"] = None
     for e in mapping.entries:
         out[e.kind] = None
         for flag in ("reverse", "combined_qkv", "gather_output"):

@@ -9,14 +9,15 @@ import inspect
 import re
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 _LAYER_KEY = re.compile(r"layers")
 
 
 def reduced_default_config(model_type: str, patch: dict | None = None):
     """The default config of `model_type` with every layer count (`num_hidden_layers` through the
-    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's) at most 2.
+    config's attribute_map, and any integer key containing 'layers', e.g. a decoder's; in its sub-configs
+    too) at most 2.
 
     Hybrid stacks keep enough layers to hold one of each kind in the config's ``layer_types`` (the
     transformers convention for per-layer kinds): Jamba's first attention layer is layer 4, and with
@@ -25,11 +26,27 @@ def reduced_default_config(model_type: str, patch: dict | None = None):
     `patch`: the mapping's ``default_config`` (values transformers' own defaults lack to build at all)."""
     patch = dict(patch or {})
     config = AutoConfig.for_model(model_type, **patch)
-    overrides = {k: 2 for k, v in config.to_dict().items()
-                 if _LAYER_KEY.search(k) and type(v) is int and v > 2}
+    overrides = _fewer_layers(config)
+    return AutoConfig.for_model(model_type, **patch, **overrides) if overrides else config
+
+
+def _fewer_layers(config) -> dict:
+    """The overrides that cut `config`'s layer counts, its sub-configs' too (a multimodal model's
+    text_config and vision_config, given back whole as dicts)."""
+    overrides: dict = {k: 2 for k, v in config.to_dict().items()
+                       if _LAYER_KEY.search(k) and type(v) is int and v > 2}
     if type(getattr(config, "num_hidden_layers", None)) is int and config.num_hidden_layers > 2:
         overrides["num_hidden_layers"] = max(2, _layers_for_every_kind(config))
-    return AutoConfig.for_model(model_type, **patch, **overrides) if overrides else config
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        inner = _fewer_layers(sub) if isinstance(sub, PretrainedConfig) else {}
+        if inner:
+            whole = sub.to_dict()
+            n = inner.get("num_hidden_layers")
+            if n is not None and isinstance(whole.get("layer_types"), list):  # one kind per layer kept
+                inner["layer_types"] = whole["layer_types"][:n]
+            overrides[key] = {**whole, **inner}
+    return overrides
 
 
 def _layers_for_every_kind(config) -> int:

@@ -82,8 +82,11 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     `pad` tokens; an encoder-decoder also gets ``decoder_input_ids`` (batch x seq // 2 + 1). Any other
     main input (Whisper's ``input_features``, ``pixel_values``) has a model-specific shape and must be
     declared, or `MissingInputError` is raised. Declared shapes are expressions over config attributes
-    and ``batch`` / ``seq``; kinds: ``ids`` (token ids), ``float`` (standard normal), ``mask`` (ones,
-    last row right-padded by `pad`). Everything is drawn from one generator seeded with `seed`, by
+    and ``batch`` / ``seq`` (a dotted name reads a sub-config: ``vision_config.image_size``); kinds: ``ids``
+    (token ids), ``float`` (standard normal), ``mask`` (ones, last row right-padded by `pad`). Declared ids may
+    hold ``tokens``: runs of one id (image placeholders), placed back to back from position 1 of every row,
+    the id nowhere else (`place_runs`); a declared ``input_ids`` of the derived shape keeps the derived mask's
+    padding in mind. Everything is drawn from one generator seeded with `seed`, by
     default a stable hash of the model type (`stable_seed`), so every mapping sees other ids.
 
     Token ids also hold the vocabulary-shard boundaries (`vocab_boundaries`: the first and last row of
@@ -103,9 +106,14 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             f"verify config, e.g. inputs: {{{main}: {{shape: [batch, ...], kind: float}}}}"
         )
 
-    def ids(name: str, shape: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def ids(name: str, shape: tuple, mask: torch.Tensor | None = None, runs=()) -> torch.Tensor:
         out = torch.randint(3, vocab, shape, generator=gen)
-        return place_ids(out, boundary_ids(model, world_sizes, decoder=name.startswith("decoder_")), gen, mask)
+        boundaries = boundary_ids(model, world_sizes, decoder=name.startswith("decoder_"))
+        if not runs:
+            return place_ids(out, boundaries, gen, mask)
+        tokens = {t for t, _ in runs}
+        keep = place_runs(out, runs, mask, spare_id(config, vocab, tokens), name)
+        return place_ids(out, [b for b in boundaries if b not in tokens], gen, mask, keep)
 
     inputs = {}
     if main == "input_ids":
@@ -119,15 +127,21 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
         sizes = {"batch": batch, "seq": seq}
         if name in sizes:
             return sizes[name]
-        if not hasattr(config, name):
-            raise ConfigAttributeError(f"an example input's shape names {name!r}, which the "
-                                       f"{type(config).__name__} does not have")
-        return getattr(config, name)
+        value = config
+        for part in name.split("."):  # a dotted name: a sub-config's attribute
+            if not hasattr(value, part):
+                raise ConfigAttributeError(f"an example input names {name!r}, which the "
+                                           f"{type(config).__name__} does not have")
+            value = getattr(value, part)
+        return value
 
     for name, spec in declared.items():
         shape = tuple(expr.evaluate(dim, lookup) for dim in spec.shape)
         if spec.kind == "ids":
-            inputs[name] = ids(name, shape)
+            derived = inputs.get("attention_mask") if name == "input_ids" else None
+            mask = derived if derived is not None and tuple(derived.shape) == shape else None
+            runs = [(expr.evaluate(t.id, lookup), expr.evaluate(t.count, lookup)) for t in spec.tokens]
+            inputs[name] = ids(name, shape, mask, runs)
         elif spec.kind == "float":
             inputs[name] = torch.randn(shape, generator=gen)
         else:
@@ -188,16 +202,48 @@ def embedding_rows(model, decoder: bool = False, default: int | None = None) -> 
 
 
 def place_ids(ids: torch.Tensor, values: list[int], gen: torch.Generator,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """`ids` with `values` written at distinct random positions (where `mask` is 1 first, then where it is
-    0); as many as there are positions."""
+    0), never where `keep` is true; as many as there are positions."""
     flat = ids.view(-1)
     order = torch.randperm(flat.numel(), generator=gen)
+    if keep is not None:
+        order = order[~keep.reshape(-1)[order]]
     if mask is not None:  # stable: unpadded positions first, each group in random order
         order = order[torch.argsort((mask.reshape(-1)[order] == 0).to(torch.int8), stable=True)]
     for position, value in zip(order.tolist(), values):
         flat[position] = value
     return ids
+
+
+def place_runs(ids: torch.Tensor, runs: list[tuple[int, int]], mask: torch.Tensor | None, spare: int,
+               name: str = "input_ids") -> torch.Tensor:
+    """Write `runs` ((token id, count) pairs) into every row of `ids` (last dim: positions), back to back from
+    position 1, in place; the ids drawn elsewhere that equal a run's token become `spare`. Returns where the
+    runs are (a bool tensor like `ids`). Every row's unpadded part (`mask`) must hold them."""
+    total = sum(n for _, n in runs)
+    room = ids.shape[-1] - 1
+    if mask is not None:
+        room = min(room, int(mask.sum(-1).min()) - 1)
+    if total > room or any(n < 0 for _, n in runs):
+        raise MissingInputError(f"{name}: the token runs {runs} need {total} positions after the first of every "
+                                f"row, but rows of {tuple(ids.shape)} leave {room} (unpadded); shrink the count "
+                                "(a smaller image) or lengthen the input")
+    for token, _ in runs:
+        ids[ids == token] = spare
+    keep = torch.zeros(ids.shape, dtype=torch.bool)
+    at = 1
+    for token, n in runs:
+        ids[..., at:at + n] = token
+        keep[..., at:at + n] = True
+        at += n
+    return keep
+
+
+def spare_id(config, vocab: int, avoid: set[int]) -> int:
+    """The smallest id >= 3 that no config names as special and that is not in `avoid`."""
+    taken = special_ids(config) | avoid
+    return next(i for i in range(3, vocab) if i not in taken)
 
 
 def _mask(shape: tuple, pad: int) -> torch.Tensor:

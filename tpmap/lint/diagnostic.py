@@ -35,6 +35,8 @@ RULES: dict[str, str] = {
     "when-attribute": "every `when` key is an attribute the config class defines or one declared in "
                       "config_defaults (with the default the model reads); config_defaults names no attribute the "
                       "class defines",
+    "compose": "each composed sub-model has a mapping (shipped for its model type, or the file named), without "
+               "a cycle",
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
 }
 

@@ -96,24 +96,36 @@ def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
             clash = next((n for n in ns if any(n == r or n.startswith(r + ".") for r in kept)), None)
             if clash is not None:
                 out.append(Diagnostic.at(loaded.source.value(("replicated", k)), "double-match",
-                                         f"replicated pattern {pattern!r} keeps {clash} whole, but entry {i} "
-                                         f"({entry.kind} {entry.module!r}, line "
-                                         f"{loaded.source.value(('entries', i, 'module')).line}) shards it; "
-                                         "remove one of them"))
+                                         f"replicated pattern {pattern!r} keeps {clash} whole, but "
+                                         f"{loaded.label(i)} ({loaded.source.value(('entries', i, 'module'))}) "
+                                         "shards it; remove one of them"))
                 break
     return out
 
 
-def replicated_unmatched(loaded: LoadedMapping, hit: set[int], names: list[str], model_names: list[str],
+def replicated_unmatched(loaded: LoadedMapping, hit: set[tuple], names: list[str], model_names: list[str],
                          prefix: str) -> list[Diagnostic]:
     """A replicated pattern must match a module in at least one of the models built (a pooler, say,
-    exists in some classes only)."""
+    exists in some classes only). `hit`: the places (`_place`) of the patterns that matched."""
     return [
         Diagnostic.at(loaded.source.value(("replicated", k)), "pattern-no-match",
                       f"replicated pattern {pattern!r} matches no module of {' or '.join(model_names)} (relative "
                       f"to the base model{' ' + repr(prefix[:-1]) if prefix else ''}){suggest_module(pattern, names)}")
-        for k, pattern in enumerate(loaded.mapping.replicated_patterns) if k not in hit
+        for k, pattern in enumerate(loaded.mapping.replicated_patterns)
+        if _place(loaded.source.value(("replicated", k))) not in hit
     ]
+
+
+def _failed_compose(loaded: LoadedMapping, expanded: LoadedMapping) -> list[str]:
+    """The module prefixes ('language_model.') of the compose items that did not expand (an error said why)."""
+    reached = {s.prefix for s in expanded.scopes.values()}
+    return [c.module + "." for c in loaded.mapping.compose
+            if not any(p.startswith(c.module + ".") for p in reached)]
+
+
+def _place(position) -> tuple:
+    """A node's place in the files lint reads: composed files' items keep their own file's positions."""
+    return (position.path, position.line, position.col)
 
 
 def _kind(module) -> str:
@@ -289,14 +301,14 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
-        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config)):
+        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), default):
             report.add(d)
     for d in when_attributes(loaded, default, valid_keys):
         report.add(d)
     report.add_errors(planner.check_expressions(default, loaded))
     configs = [("the default config", default)]  # every config lint checks, for `when`
 
-    replicated_hit: set[int] = set()
+    replicated_hit: set[tuple] = set()  # places of the replicated patterns that matched
     models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
 
     # The default config is cut to 2 blocks, which may lack a kind of block that comes later (DeepSeek's
@@ -304,32 +316,41 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     # it matches nothing in the verify configs' models either (those run whole, as `tpmap verify` runs them).
     unmatched_in_default: dict[tuple, TpmapError] = {}
     unmatched_later: list[tuple[TpmapError, str]] = []  # the same entries unmatched in a verify config
-    entry_hit: set[int] = set()  # entries whose pattern matches a module of a verify config's model
+    last = {"expanded": loaded}  # the mapping as the last model checked expanded it (compose)
+    entry_hit: set[tuple] = set()  # places of the entries whose pattern matches in a verify config's model
 
     def check(model, tp_size: int, label: str = "", structure: bool = True, default: bool = False) -> None:
         errors: list[TpmapError] = []
-        planner.build_plan(model, loaded, tp_size, errors)
+        expanded = planner.composed(model, loaded, errors)  # the same expansion build_plan makes
+        last["expanded"] = expanded
+        planner.build_plan(model, expanded, tp_size, errors)
+        if structure and expanded is not loaded:  # composed entries read their sub-configs
+            errors += planner.check_expressions(model.config, expanded)
         for e in errors:
-            key = (e.position.line, e.position.col) if e.rule == "pattern-no-match" else None
+            key = _place(e.position) if e.rule == "pattern-no-match" else None
             if default and key:
                 unmatched_in_default.setdefault(key, e)
             elif key in unmatched_in_default:
                 unmatched_later.append((e, label))
         report.add_errors((e for e in errors if e.rule != "pattern-no-match"
-                           or (e.position.line, e.position.col) not in unmatched_in_default), label)
+                           or _place(e.position) not in unmatched_in_default), label)
         if not structure:
             return
         base, prefix = planner.base_prefix(model)
         modules = dict(base.named_modules())
         names = [n for n in modules if n]
         blocks = block_prefixes(base)
-        m = _Matches(loaded, modules)
-        replicated_hit.update(k for k, ns in enumerate(m.replicated) if ns)
+        m = _Matches(expanded, modules)
+        replicated_hit.update(_place(expanded.source.value(("replicated", k))) for k, ns in enumerate(m.replicated)
+                              if ns)
         if not default:
-            entry_hit.update(i for i, ns in enumerate(m.entries) if ns)
+            entry_hit.update(_place(expanded.source.value(("entries", i, "module"))) for i, ns in enumerate(m.entries)
+                             if ns)
         models.append((type(model).__name__, names, prefix))
-        found = (replicated_clashes(loaded, m) + coverage(loaded, modules, blocks, m)
-                 + pairing(loaded, modules, blocks, m))
+        uncovered = coverage(expanded, modules, blocks, m)
+        failed = _failed_compose(loaded, expanded)  # reported already: their blocks are not uncovered too
+        uncovered = [d for d in uncovered if not any(f" {f}" in d.message for f in failed)]
+        found = replicated_clashes(expanded, m) + uncovered + pairing(expanded, modules, blocks, m)
         for d in found:
             report.add(d, label)
 
@@ -377,13 +398,11 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
     for d in when_never(loaded, configs):
         report.add(d)
-    module_keys = {(src.value(("entries", i, "module")).line, src.value(("entries", i, "module")).col): i
-                   for i in range(len(mapping.entries))}
-    report.add_errors(e for key, e in unmatched_in_default.items() if module_keys.get(key) not in entry_hit)
+    report.add_errors(e for key, e in unmatched_in_default.items() if key not in entry_hit)
     for e, label in unmatched_later:  # only where the default config's error was dropped: a new place
         report.add_errors([e], label)
     if models:
-        for d in replicated_unmatched(loaded, replicated_hit, models[0][1],
+        for d in replicated_unmatched(last["expanded"], replicated_hit, models[0][1],
                                       list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
             report.add(d)
     return report.items
@@ -447,10 +466,11 @@ def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
     return out
 
 
-def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str]) -> list[Diagnostic]:
+def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str], config=None) -> list[Diagnostic]:
     """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
     class's main input is input_ids (derived) or declared; declared names are arguments of every
-    class's forward; their shapes name config attributes (`known`: the config's keys) or `batch` / `seq`."""
+    class's forward; their shapes and token runs name config attributes (`known`: the config's keys; a
+    dotted name a sub-config's attribute, looked up in `config`, the default config) or `batch` / `seq`."""
     spec, src = loaded.mapping.verify[v], loaded.source
     out = []
     for cls in classes:
@@ -469,14 +489,29 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str])
                                          f"{cls.__name__}.forward has no argument {name!r}"
                                          f"{did_you_mean(name, arguments)}; inputs are named by forward argument"))
                 break
-        for k, dim in enumerate(declared.shape):
-            for n in sorted(expr.names(dim) - {"batch", "seq"}):
-                if n not in known:
-                    out.append(Diagnostic.at(src.value(("verify", v, "inputs", name, "shape", k)), "config-attribute",
-                                             f"input {name!r}: the config has no attribute {n!r}"
-                                             f"{did_you_mean(n, known)}; shapes use config attributes, "
-                                             "batch and seq"))
+        exprs = [(("shape", k), dim) for k, dim in enumerate(declared.shape)]
+        exprs += [(("tokens", k, f), getattr(t, f)) for k, t in enumerate(declared.tokens) for f in ("id", "count")]
+        for key, value in exprs:
+            for n in sorted(expr.names(value) - {"batch", "seq"}):
+                problem = _unknown_name(n, known, config)
+                if problem:
+                    out.append(Diagnostic.at(src.value(("verify", v, "inputs", name) + key), "config-attribute",
+                                             f"input {name!r}: {problem}; shapes and tokens use config attributes "
+                                             "(dotted for a sub-config's), batch and seq"))
     return out
+
+
+def _unknown_name(name: str, known: set[str], config) -> str:
+    """Why `name` (an attribute, or a dotted sub-config attribute) is not one the config has; '' when it is."""
+    first, _, rest = name.partition(".")
+    if first not in known:
+        return f"the config has no attribute {first!r}{did_you_mean(first, known)}"
+    if rest and config is not None:
+        try:
+            planner.attribute_path(config, name)
+        except TpmapError as e:
+            return str(e)
+    return ""
 
 
 def _reads(cls, name: str) -> bool:

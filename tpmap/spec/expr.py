@@ -2,11 +2,12 @@
 
 Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
 
-    expr := INT | NAME | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr )
+    expr := INT | NAME | NAME.NAME... | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr )
 
 * NAME is a config attribute (``num_key_value_heads``, ``n_embd``; aliases from the config's
   ``attribute_map`` work; a name the config lacks is read from the one sub-config that has it, e.g.
   DBRX's ``ffn_config.moe_num_experts``) or one of the per-rank names ``tp_size`` and ``tp_rank``.
+  A dotted name reads an attribute of a sub-config by its path (``vision_config.image_size``).
 * ``a // b`` must divide exactly; otherwise evaluation fails with a `DivisibilityError` that names
   both numbers. A silently floored head count is the classic wrong-output bug, so there is none.
 * ``per_rank(n)`` is how many of ``n`` heads one rank holds under tpmap's head rule: ``n // tp_size``
@@ -57,7 +58,7 @@ def parse(text: str | int) -> ast.expr:
 def _check(node: ast.AST, text: str) -> None:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return
-    if isinstance(node, ast.Name):
+    if isinstance(node, ast.Name) or dotted(node):
         return
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         _check(node.left, text)
@@ -86,11 +87,34 @@ def _check(node: ast.AST, text: str) -> None:
     )
 
 
+def dotted(node: ast.AST) -> str | None:
+    """'a.b.c' for an attribute chain on a plain name (a sub-config's attribute), else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if parts and isinstance(node, ast.Name) else None
+
+
 def names(text: str | int) -> set[str]:
-    """The names an expression reads (config attributes and per-rank names; not the function per_rank)."""
-    tree = parse(text)
-    functions = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in functions}
+    """The names an expression reads (config attributes, dotted sub-config attributes and per-rank names;
+    not the function per_rank)."""
+    out: set[str] = set()
+
+    def walk(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(dotted(node))
+        elif isinstance(node, ast.Call):  # per_rank(...): its argument, not the function's name
+            for arg in node.args:
+                walk(arg)
+        else:
+            for child in ast.iter_child_nodes(node):
+                walk(child)
+
+    walk(parse(text))
+    return out
 
 
 def per_rank(n: int, tp_size: int, what: str = "heads") -> int:
@@ -111,14 +135,15 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant):
             return node.value
-        if isinstance(node, ast.Name):
-            if node.id == "tp_size":
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = node.id if isinstance(node, ast.Name) else dotted(node)
+            if name == "tp_size":
                 return tp_size
-            if node.id == "tp_rank":
+            if name == "tp_rank":
                 return tp_rank
-            value = lookup(node.id)
+            value = lookup(name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ExpressionError(f"config attribute {node.id!r} is {value!r}, not an integer")
+                raise ExpressionError(f"config attribute {name!r} is {value!r}, not an integer")
             return value
         if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
             return per_rank(ev(node.args[0]), tp_size)

@@ -384,17 +384,39 @@ KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
                 for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
 
 
+class TokenRun(_Strict):
+    """A run of one token id placed into every row of an ``ids`` example input, for the placeholders a
+    model replaces by other features (the image tokens a multimodal model fills with its projected image
+    features). Runs are placed back to back from position 1 of every row; the id appears nowhere else."""
+    id: CheckedExpr = Field(description="the token id (expression), e.g. image_token_id")
+    count: CheckedExpr = Field(
+        description="tokens per row (expression), by the model's own rule, e.g. the patches of one image: "
+        "(vision_config.image_size // vision_config.patch_size) * (vision_config.image_size // "
+        "vision_config.patch_size)"
+    )
+
+
 class ExampleInput(_Strict):
     """One example input of a verify config: a tensor of this shape, filled according to its kind."""
     shape: list[CheckedExpr] = Field(
-        min_length=1, description="dimensions, integer expressions over config attributes and `batch` / `seq` "
-        "(the batch size and sequence length of the derived inputs), "
-        "e.g. [batch, num_mel_bins, 2 * max_source_positions]"
+        min_length=1, description="dimensions, integer expressions over config attributes (dotted names reach a "
+        "sub-config: vision_config.image_size) and `batch` / `seq` (the batch size and sequence length of the "
+        "derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
     )
     kind: Literal["ids", "float", "mask"] = Field(
         "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "
         "with the last row's last 3 positions 0 (right padding)"
     )
+    tokens: list[TokenRun] = Field(
+        [], description="(ids) runs of special token ids placed in every row from position 1, e.g. image "
+        "placeholders: [{id: image_token_id, count: N}]"
+    )
+
+    @model_validator(mode="after")
+    def _tokens_in_ids(self):
+        if self.tokens and self.kind != "ids":
+            raise ValueError(f"tokens are placed into token ids; this input's kind is {self.kind!r}")
+        return self
 
 
 class Tolerance(_Strict):
@@ -479,6 +501,41 @@ class VocabParallel(_Strict):
     )
 
 
+def _check_module_path(value: str) -> str:
+    _check_pattern(value)
+    if any(c in value for c in "*?["):
+        raise ValueError(f"compose module {value!r} is a pattern; name one module (a dotted path, no globs)")
+    return value
+
+
+class Compose(_Strict):
+    """Another mapping applied to one sub-model, under its module path (a vision tower, a language model).
+
+    The composed file's ``entries``, ``replicated``, ``grad_allreduce`` and ``unsupported`` apply to the
+    sub-model: its patterns stay relative to the sub-model's own base model, and its expressions and
+    ``when`` read the sub-config. Its ``vocab_parallel``, ``verify``, ``world_sizes`` and
+    ``default_config`` are not used: the composing file decides those for the whole model.
+
+    Example (a vision tower and a language model, each mapped by its own file)::
+
+        compose:
+          - {module: language_model, config: text_config}    # mappings/<text_config.model_type>.yaml
+          - {module: vision_tower, config: vision_config}
+    """
+    module: str = Field(description="the sub-model's module path, relative to the base model like every pattern "
+                        "(one module, no globs)")
+    config: AttributePath = Field(
+        description="the attribute of this model's config that holds the sub-model's config (text_config, "
+        "vision_config): the composed file's expressions and `when` are evaluated in it"
+    )
+    mapping: str | None = Field(
+        None, description="the mapping to apply: a shipped model type (llama), or a path ending in .yaml, "
+        "relative to this file; default: the sub-config's own model_type"
+    )
+
+    _v_module = field_validator("module")(lambda v: _check_module_path(v))
+
+
 class Mapping(_Strict):
     """A whole mapping file."""
     model_type: str = Field(description="the transformers config.model_type this file maps")
@@ -509,7 +566,13 @@ class Mapping(_Strict):
         "for a module replicated by design (a router), or {module, reason} for a block a complete mapping would "
         "split (the mapping is then partial and `tpmap.apply` warns naming it)"
     )
-    entries: list[Entry] = Field(min_length=1, description="the TensorParallelismInfo entries")
+    compose: list[Compose] = Field(
+        [], description="other mappings applied to sub-models (a vision tower, a language model) under their module "
+        "paths, with their expressions evaluated in the sub-configs; `entries` then map the parts in between"
+    )
+    entries: list[Entry] = Field(
+        [], description="the TensorParallelismInfo entries (at least one, unless `compose` maps the model)"
+    )
     vocab_parallel: VocabParallel | None = Field(
         None, description="split the embedding and LM head along the vocabulary (omit to keep them replicated)"
     )
@@ -534,6 +597,12 @@ class Mapping(_Strict):
 
     _v_replicated = field_validator("replicated", "grad_allreduce")(
         lambda v: [_check_pattern(p) if isinstance(p, str) else p for p in v])
+
+    @model_validator(mode="after")
+    def _something_to_map(self):
+        if not self.entries and not self.compose:
+            raise ValueError("a mapping needs at least one entry (or a compose item)")
+        return self
 
     @property
     def replicated_patterns(self) -> list[str]:

@@ -47,14 +47,46 @@ class SourceMap:
         return self.keys.get(loc) or self.value(loc)
 
 
+@dataclass(frozen=True)
+class Scope:
+    """Where an item of a composed mapping comes from (`tpmap.spec.compose`): an entry, `replicated`,
+    `grad_allreduce` or `unsupported` item of another file, applied to a sub-model."""
+    index: int  # the item's index in its own file's list
+    prefix: str  # added to its module patterns: the sub-model's base model, relative to this file's
+    config: tuple[str, ...]  # attribute path from this file's config to the sub-config it reads
+    via: str  # "composed as 'language_model' (text_config) by llava.yaml:9:5"
+
+    def sub_config(self, config):
+        for name in self.config:
+            config = getattr(config, name)
+        return config
+
+
 @dataclass
 class LoadedMapping:
     mapping: Mapping
     source: SourceMap
     data: dict
+    # composed items, by (list, index) in `mapping`: ("entries", 7) -> its Scope; none for this file's own
+    scopes: dict[tuple[str, int], Scope] = field(default_factory=dict)
 
     def entry_position(self, index: int, key: str = "module") -> Position:
         return self.source.value(("entries", index, key))
+
+    def config_of(self, section: str, index: int, config):
+        """The config that item `index` of `section` ("entries", "unsupported") reads: `config` itself, or the
+        sub-config of the sub-model a composed item applies to."""
+        scope = self.scopes.get((section, index))
+        return config if scope is None else scope.sub_config(config)
+
+    def label(self, index: int) -> str:
+        """How messages name entry `index`: "entry 3 (Row 'layers.*.mlp.down_proj')", and for a composed
+        entry its index and pattern in its own file and where it was composed."""
+        entry = self.mapping.entries[index]
+        scope = self.scopes.get(("entries", index))
+        if scope is None:
+            return f"entry {index} ({entry.kind} {entry.module!r})"
+        return f"entry {scope.index} ({entry.kind} {entry.module[len(scope.prefix):]!r}), {scope.via}"
 
 
 LIMITS = {
@@ -223,7 +255,11 @@ def _valid_keys(model_cls, data_loc: tuple, data: Any) -> list[str]:
     parent = data_loc[:-1]
     if parent == ():
         return list(schema.Mapping.model_fields)
+    if parent[0] == "compose":
+        return list(schema.Compose.model_fields)
     if parent[0] == "verify":
+        if len(parent) >= 6 and parent[4] == "tokens":  # verify.N.inputs.NAME.tokens.K holds a TokenRun
+            return list(schema.TokenRun.model_fields)
         if len(parent) >= 4 and parent[2] == "inputs":  # verify.N.inputs.NAME holds an ExampleInput
             return list(schema.ExampleInput.model_fields)
         return list(schema.Verify.model_fields)
