@@ -193,3 +193,10 @@ def test_expressions_read_a_declared_default_where_the_config_lacks_it():
 
     ctx = planner.EntryContext(transformers.LlamaConfig(), loaded, 0, 1)
     assert ctx.eval("num_attention_heads // head_groups") == 16
+
+
+def test_a_default_config_patch_with_more_layers_is_still_cut_for_lint():
+    from tpmap.meta import reduced_default_config
+
+    config = reduced_default_config("llama", {"num_hidden_layers": 6, "vocab_size": 300})
+    assert config.num_hidden_layers == 2 and config.vocab_size == 300

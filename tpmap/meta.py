@@ -27,7 +27,7 @@ def reduced_default_config(model_type: str, patch: dict | None = None):
     patch = dict(patch or {})
     config = AutoConfig.for_model(model_type, **patch)
     overrides = _fewer_layers(config)
-    return AutoConfig.for_model(model_type, **patch, **overrides) if overrides else config
+    return AutoConfig.for_model(model_type, **{**patch, **overrides}) if overrides else config  # cut wins
 
 
 def _fewer_layers(config) -> dict:
