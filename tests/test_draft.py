@@ -15,6 +15,7 @@ from tpmap.draft.config import build_meta, model_class, tiny_model
 from tpmap.draft.entries import analysis_entries, attribute_candidates
 from tpmap.draft.render import scalar
 from tpmap.lint import lint_file
+from tpmap.meta import auto_classes
 from tpmap.spec import source
 from tpmap.spec.errors import DraftError
 
@@ -78,6 +79,9 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # the mapping's default_config (is_decoder, for the causal LM) cannot build the masked LM
                    "reformer": "building ReformerForMaskedLM from the tiny config failed"}
 
+# shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
+# with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)
+KEEPS_DEFAULT_LAYERS = {"olmo_hybrid": "the tiny config of 'olmo_hybrid' is rejected"}
 
 # and drafts that once rendered broken YAML or stretch the renderer: an empty nested config (mpt), nested
 # encoder/decoder configs (t5gemma), a plan with MoE and latent attention (deepseek_v3), ModuleDict experts
@@ -93,7 +97,10 @@ def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
     assert loaded.mapping.model_type == model_type
     spec = loaded.mapping.verify[0]
     cls = getattr(transformers, spec.models[0])
-    assert cls.config_class.model_type == model_type
+    assert cls.config_class.model_type == model_type or spec.models[0] in auto_classes(model_type)
+    if model_type in KEEPS_DEFAULT_LAYERS:  # the note says why, and the layer counts stay the default's
+        assert "with 2 layers the config or the model fails" in text and KEEPS_DEFAULT_LAYERS[model_type] in text
+        return
     counts = [v for k, v in spec.config.items() if ("layers" in k or k == "n_layer") and type(v) is int]
     counts += [v for sub in spec.config.values() if isinstance(sub, dict)  # nested encoder/decoder configs
                for k, v in sub.items() if ("layers" in k or k == "n_layer") and type(v) is int]

@@ -17,8 +17,8 @@ from tpmap.draft.names import (
     SPECIAL_TOKENS,
     TINY,
 )
+from tpmap.meta import auto_classes, reduced_default_config
 from tpmap.meta import build_meta as build_meta_model
-from tpmap.meta import reduced_default_config
 from tpmap.spec import source
 from tpmap.spec.errors import DraftError, did_you_mean
 
@@ -157,9 +157,11 @@ def model_class(model_type: str, config) -> type:
         names += [found] if isinstance(found, str) else list(found or ())
     stem = type(config).__name__.removesuffix("Config")
     names += [stem + suffix for suffix in CLASS_SUFFIXES]
+    registered = auto_classes(model_type)  # a model type may reuse another's classes (InternLM3 -> Llama)
     for name in names:
         cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and getattr(getattr(cls, "config_class", None), "model_type", None) == model_type:
+        config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+        if isinstance(cls, type) and (config_type == model_type or name in registered):
             return cls
     raise DraftError(f"no model class of transformers is registered for model_type {model_type!r} "
                      f"(tried {', '.join(names)})")
