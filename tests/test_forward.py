@@ -14,8 +14,8 @@ CASES = verify.cases(SHIPPED)
 
 
 # world size 3 impossible for the architecture itself: proven by the planner refusing it on the verify config
-NO_WORLD_SIZE_3 = {"codegen": "qkv_proj holds mp_num = 4 blocks, hard-coded in the forward: the world size must "
-                              "divide 4 or be a multiple of 4"}
+NO_WORLD_SIZE_3 = {"codegen": "qkv_proj holds mp_num = 4 blocks of H/4 heads, each split across the ranks: the "
+                              "world size must divide H/4 (4 heads per block in the verify config)"}
 
 
 @pytest.mark.parametrize("model_type", SHIPPED)
