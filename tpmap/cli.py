@@ -30,10 +30,10 @@ def _verify(args) -> int:
     from tpmap.compat import check_transformers, mapping_applies
 
     check_transformers()  # an untested transformers release: refused here as in apply
-    skipped = [r for r in refs if not mapping_applies(verify.resolve(r).mapping.transformers)]
+    needs = {r: verify.resolve(r).mapping.transformers for r in refs}  # each mapping read once
+    skipped = [r for r, spec in needs.items() if not mapping_applies(spec)]
     for r in skipped:
-        print(f"{r}: not verified: the mapping needs transformers{verify.resolve(r).mapping.transformers}",
-              flush=True)
+        print(f"{r}: not verified: the mapping needs transformers{needs[r]}", flush=True)
     refs = [r for r in refs if r not in skipped]
     case_list = verify.cases(refs, args.world_size)
     if not case_list and skipped:

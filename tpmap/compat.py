@@ -1,6 +1,6 @@
 """The transformers versions tpmap is proven on, and the check that refuses others.
 
-`TRANSFORMERS` is the range of pyproject.toml's transformers dependency (tests/test_packaging.py keeps the two
+`TRANSFORMERS` is the range of pyproject.toml's transformers dependency (tests/test_versions.py keeps the two
 equal) and the range CI proves: `.ci/run` lints and verifies every shipped mapping on its oldest release and runs
 the whole suite on the newest. Module structures change between transformers releases (CodeGen's fused q/v/k
 moved from a local constant to an attribute in 5.24), so a mapping proven on one release can be wrong on another;
@@ -26,7 +26,7 @@ OVERRIDE = "TPMAP_UNTESTED_TRANSFORMERS"
 def check_transformers(version: str | None = None) -> None:
     """Raise `TransformersVersionError` when the installed transformers is outside `TRANSFORMERS`."""
     version = version or transformers.__version__
-    if Version(version) in SpecifierSet(TRANSFORMERS):
+    if mapping_applies(TRANSFORMERS, version):
         return
     message = (f"transformers {version} is outside the range tpmap is tested on (transformers{TRANSFORMERS}, "
                f"proven on {' and '.join(PROVEN)}): install one of those, e.g. pip install 'transformers"
