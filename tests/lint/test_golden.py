@@ -69,18 +69,32 @@ def test_every_rule_is_documented_and_has_a_golden_case():
         assert f"| `{rule}` |" in rules_page, rule
 
 
-def test_shipped_mappings_are_clean():
+def test_shipped_mappings_are_clean_and_lint_loads_no_weights_and_starts_no_process_group(monkeypatch):
+    """The one full lint of every shipped mapping in this file (each pass costs ~20 s); the other tests of
+    the command line lint one or two shipped files beside the cases."""
+    import torch.distributed as dist
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tpmap lint must not do this")
+
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", forbidden)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
     status, out = regen.run_lint("mappings/")
     assert (status, out) == (0, f"{len(list((ROOT / 'mappings').glob('*.yaml')))} files linted, no errors\n")
+    assert not (dist.is_available() and dist.is_initialized())
 
 
 def test_all_errors_of_all_files_sorted_by_file_and_line():
     names = ["world_size", "many_schema_errors", "double_match"]
-    status, out = regen.run_lint(*(f"tests/lint/cases/{n}.yaml" for n in names), "mappings")
+    clean = ["mappings/llama.yaml", "mappings/gpt2.yaml"]  # clean files given between and after them
+    status, out = regen.run_lint(f"tests/lint/cases/{names[0]}.yaml", clean[0],
+                                 *(f"tests/lint/cases/{n}.yaml" for n in names[1:]), clean[1])
     assert status == 1
     parts = [regen.run_case(n)[1].rsplit("\n", 2)[0] + "\n" for n in sorted(names)]
     total = sum(p.count(": error: ") for p in parts)
-    assert out == "".join(parts) + f"{total} errors in 3 of {3 + len(list((ROOT / 'mappings').glob('*.yaml')))} files\n"
+    assert out == "".join(parts) + f"{total} errors in 3 of 5 files\n"
 
 
 def test_json_format():
@@ -95,8 +109,9 @@ def test_json_format():
     }
     assert first["message"].startswith("world size 8: entry 0 (Column 'h.*.attn.c_attn')")
     assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 3
-    status, out = regen.run_lint("--format", "json", "mappings/")
-    assert status == 0 and json.loads(out)["diagnostics"] == []
+    status, out = regen.run_lint("--format", "json", "mappings/gpt2.yaml", "mappings/llama.yaml")
+    files = ["mappings/gpt2.yaml", "mappings/llama.yaml"]
+    assert status == 0 and json.loads(out) == {"files": files, "diagnostics": []}
 
 
 def test_github_format():
@@ -112,7 +127,7 @@ def test_github_format():
     # the message's own ':' and ',' stay as they are in the data part; properties are escaped
     assert lines[1].startswith("::error file=tests/lint/cases/yaml_syntax.yaml,line=35,col=11,")
     assert len(lines) == 2
-    assert regen.run_lint("--format", "github", "mappings/") == (0, "")
+    assert regen.run_lint("--format", "github", "mappings/gpt2.yaml") == (0, "")
 
 
 def test_github_escaping():
@@ -146,9 +161,14 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert e.value.code == 2
 
 
-def test_default_paths_are_the_shipped_mappings():
+def test_default_paths_are_the_shipped_mappings(monkeypatch):
+    import tpmap.lint
+
+    linted = []  # which files a bare `tpmap lint` lints (linting them is the test above)
+    monkeypatch.setattr(tpmap.lint, "lint_file", lambda f: linted.append(f) or [])
     status, out = regen.run_lint()
-    assert status == 0 and out.endswith("files linted, no errors\n")
+    shipped = sorted(f"mappings/{p.name}" for p in (ROOT / "mappings").glob("*.yaml"))
+    assert (status, out, linted) == (0, f"{len(shipped)} files linted, no errors\n", shipped)
 
 
 def test_rules_listing(capsys):
@@ -168,27 +188,10 @@ def test_subprocess_exit_codes_and_output():
                          text=True, timeout=120)
     assert bad.returncode == 1, bad.stderr
     assert bad.stdout == (CASES / "fused_sections.out").read_text()
-    good = subprocess.run(cmd + ["mappings/"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    good = subprocess.run(cmd + ["mappings/gpt2.yaml"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0 and "no errors" in good.stdout, good.stderr
     usage = subprocess.run(cmd + ["no/such/dir"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert usage.returncode == 2 and "no such file" in usage.stderr
-
-
-def test_lint_loads_no_weights_and_starts_no_process_group(monkeypatch):
-    import torch.distributed as dist
-    import transformers
-
-    from tpmap.lint import lint_paths
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("tpmap lint must not do this")
-
-    monkeypatch.setattr(dist, "init_process_group", forbidden)
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", forbidden)
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
-    files, diagnostics = lint_paths([str(ROOT / "mappings")])
-    assert files and diagnostics == []
-    assert not (dist.is_available() and dist.is_initialized())
 
 
 def test_schema_command(capsys):
