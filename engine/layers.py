@@ -29,6 +29,10 @@ class _TPModule(nn.Module):
     tp_group = None
     seq = None  # sequence parallelism's per-model state (engine.sequence), set on Columns and Rows in blocks
     dropout_watch = None  # rng.DropoutWatch of the model (engine.shard), for the compiled RNG region
+    # A term added to this rank's local product before any collective: delta(x) -> (..., out_local), called
+    # with the input as the matmul sees it (a Column's after copy_to_tp_region, a Row's split input). Set by
+    # an adapter wrapper for the span of one call (tpmap.peft's LoRA), so a Row still all-reduces once.
+    adapter_delta = None
 
     def __init__(self, group):
         super().__init__()
@@ -65,6 +69,8 @@ class ColumnParallelLinear(_TPModule):
                 x = (copy_to_tp_region(x, self.tp_group) if self.shared_copy is None
                      else self.shared_copy(x, self.tp_group))
             y = _matmul(x, self.weight, self.reverse)
+            if self.adapter_delta is not None:
+                y = y + self.adapter_delta(x)  # (..., out/ws)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -100,9 +106,12 @@ class RowParallelLinear(_TPModule):
             y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),
                                                   self.tp_group, -2)
         else:
+            partial = _matmul(x, self.weight, self.reverse)  # (..., out): this rank's term of the sum
+            if self.adapter_delta is not None:
+                partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce
             if self.training:
                 rng.leave_sharded_region(self.dropout_watch)
-            y = reduce_from_tp_region(_matmul(x, self.weight, self.reverse), self.tp_group, fresh=True)
+            y = reduce_from_tp_region(partial, self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

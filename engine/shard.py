@@ -308,13 +308,13 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
       are summed (scattered into a full-size buffer, all-reduced, sliced back).
     """
     for name in plan.grad_allreduce:
-        _on_gradient(model, name, lambda g: _all_reduced(g, group))
+        _on_gradient(model, name, lambda g: all_reduced(g, group))
     for shard in plan.params.values():
         if shard.partial and dist.get_rank(group) != 0:  # kept on rank 0 only: the others stay zero
             _on_gradient(model, shard.name, torch.zeros_like)
         if shard.replicated_heads and shard.holder == "parameter":
             index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)
-            _on_gradient(model, shard.name, lambda g, s=shard, i=index: _sum_over_holders(g, s, i, group))
+            _on_gradient(model, shard.name, lambda g, s=shard, i=index: sum_over_holders(g, s, i, group))
 
 
 def _on_gradient(model: nn.Module, name: str, hook) -> None:
@@ -338,13 +338,13 @@ def _on_gradient(model: nn.Module, name: str, hook) -> None:
     owner.register_forward_pre_hook(hook_current)
 
 
-def _all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
+def all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
     grad = grad.contiguous().clone()
     dist.all_reduce(grad, group=group)
     return grad
 
 
-def _sum_over_holders(grad: torch.Tensor, shard: ParamShard, index: torch.Tensor, group) -> torch.Tensor:
+def sum_over_holders(grad: torch.Tensor, shard: ParamShard, index: torch.Tensor, group) -> torch.Tensor:
     full = grad.new_zeros(shard.full_shape)
     index = index.to(grad.device)  # the model may have moved to another device after apply
     full.index_copy_(shard.dim, index, grad)

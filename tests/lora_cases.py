@@ -1,0 +1,110 @@
+"""LoRA through PEFT on real ranks (run by tests/test_lora.py): the sharded PEFT model against unsharded
+PEFT in the same process, with the same adapter values sliced by the independent reference."""
+from __future__ import annotations
+
+import copy
+
+import slicing_reference
+import torch
+import torch.distributed as dist
+from peft import LoraConfig
+from peft import get_peft_model as unsharded_peft_model
+from rank_cases import in_dtype, loss_kwargs, loss_of
+
+import tpmap
+import tpmap.peft
+from tpmap import verify
+
+LORA = "lora_"
+
+
+def _base_name(lora_name: str) -> tuple[str, str]:
+    """'base_model.model.X.lora_A.default.weight' -> ('X.weight', 'A')."""
+    head, _, tail = lora_name.partition(".lora_")
+    return head.removeprefix("base_model.model.") + ".weight", tail[0]
+
+
+def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, rank: int) -> torch.Tensor:
+    """This rank's part of a full-size adapter tensor, cut by the base weight's reference split. A weight is
+    (out, in), a Conv1D's (in, out): a Column splits out (B's rows), a Row in (A's columns), the other whole."""
+    if split is None or split.dim is None:
+        return full_tensor
+    column = split.dim == (1 if reverse else 0)
+    if (which == "B") != column:
+        return full_tensor
+    # B (out, r) and A (r, in) have the split dim where a (out, in) weight has it; transposed for a Conv1D
+    local = split.local(full_tensor.T if reverse else full_tensor, ws, rank)
+    return local.T if reverse else local
+
+
+def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], dtype=torch.float64) -> dict:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = verify.build_model(ref, verify_index, class_name).to(dtype)
+    if dtype == torch.float64 and full._can_set_experts_implementation():
+        full.set_experts_implementation("eager")
+    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
+    loaded = verify.resolve(ref)
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
+    plan = sharded.tpmap_plan
+    splits = slicing_reference.splits(full, loaded, plan, ws)
+    reverse = {m.name + ".weight": m.reverse for m in plan.modules}
+
+    def config():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+
+    torch.manual_seed(1)  # init_lora_weights=False: A and B random, so every term of the math is exercised
+    full_peft = unsharded_peft_model(full, config())
+    sharded_peft = tpmap.peft.get_peft_model(sharded, config())
+    full_named = dict(full_peft.named_parameters())
+    report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0}
+    with torch.no_grad():
+        for name, p in sharded_peft.named_parameters():
+            if LORA not in name:
+                continue
+            base, which = _base_name(name)
+            # a fresh adapter: whole tensors equal on every rank
+            gathered = [torch.empty_like(p) for _ in range(ws)]
+            dist.all_gather(gathered, p.detach().contiguous())
+            if tuple(p.shape) == tuple(full_named[name].shape):
+                report["fresh_whole_differs"] += int(any(not torch.equal(g, p) for g in gathered))
+            want = _reference_slice(full_named[name].detach(), which, splits.get(base), reverse.get(base, False),
+                                    ws, rank)
+            report["split"] += int(tuple(want.shape) != tuple(full_named[name].shape))
+            p.copy_(want)
+            report["adapters"] += 1
+
+    def forward(model):
+        out = model(**{k: v for k, v in inputs.items() if k != "labels"})
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    logits_full, logits_sharded = forward(full_peft), forward(sharded_peft)
+    report["logits_rel"] = ((logits_full - logits_sharded).abs().max() / logits_full.abs().max()).item()
+    loss_of(full_peft, inputs, has_labels).backward()
+    loss_of(sharded_peft, inputs, has_labels).backward()
+    worst, worst_name = 0.0, ""
+    for name, p in sharded_peft.named_parameters():
+        if not p.requires_grad:
+            continue
+        base, which = _base_name(name)
+        want = _reference_slice(full_named[name].grad, which, splits.get(base), reverse.get(base, False), ws, rank)
+        rel = ((p.grad - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        if rel > worst:
+            worst, worst_name = rel, name
+    report["grad_rel"], report["grad_worst"] = worst, worst_name
+    report["trainable"] = sum(1 for p in sharded_peft.parameters() if p.requires_grad)
+    # two SGD steps on the adapters, then the logits again
+    for model in (full_peft, sharded_peft):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        opt.step()
+        opt.zero_grad()
+        loss_of(model, inputs, has_labels).backward()
+        opt.step()
+    report["stepped_rel"] = ((forward(full_peft) - forward(sharded_peft)).abs().max()
+                             / forward(full_peft).abs().max()).item()
+    # merge into the local weights: the same logits, adapters gone
+    merged_full, merged_sharded = full_peft.merge_and_unload(), sharded_peft.merge_and_unload()
+    report["merged_rel"] = ((forward(merged_full) - forward(merged_sharded)).abs().max()
+                            / forward(merged_full).abs().max()).item()
+    report["merged_left"] = sum(1 for n, _ in merged_sharded.named_parameters() if LORA in n)
+    return report
