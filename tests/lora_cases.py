@@ -37,7 +37,8 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
     return local.T if reverse else local
 
 
-def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], dtype=torch.float64) -> dict:
+def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
+              dtype=torch.float64) -> dict:
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
@@ -53,6 +54,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     def config():
         return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
 
+    pristine = copy.deepcopy(full)  # (get_peft_model wraps `full` in place)
     torch.manual_seed(1)  # init_lora_weights=False: A and B random, so every term of the math is exercised
     full_peft = unsharded_peft_model(full, config())
     sharded_peft = tpmap.peft.get_peft_model(sharded, config())
@@ -102,6 +104,22 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         opt.step()
     report["stepped_rel"] = ((forward(full_peft) - forward(sharded_peft)).abs().max()
                              / forward(full_peft).abs().max()).item()
+    # saved from the sharded model: a standard, full-size adapter that plain PEFT loads on the unsharded base
+    tpmap.peft.save_pretrained(sharded_peft, folder)
+    want = forward(full_peft)
+    if rank == 0:
+        from peft import PeftModel
+        from safetensors import safe_open
+
+        with safe_open(f"{folder}/adapter_model.safetensors", framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        expected = {n.replace(".default.", "."): tuple(p.shape) for n, p in full_named.items() if LORA in n}
+        report["file_shapes_ok"] = shapes == expected
+        plain = PeftModel.from_pretrained(copy.deepcopy(pristine), folder)
+        report["saved_rel"] = ((forward(plain) - want).abs().max() / want.abs().max()).item()
+    # and loaded onto a fresh sharded model, each rank reading its slices
+    reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded), folder)
+    report["loaded_rel"] = ((forward(reloaded) - want).abs().max() / want.abs().max()).item()
     # merge into the local weights: the same logits, adapters gone
     merged_full, merged_sharded = full_peft.merge_and_unload(), sharded_peft.merge_and_unload()
     report["merged_rel"] = ((forward(merged_full) - forward(merged_sharded)).abs().max()

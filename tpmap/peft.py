@@ -109,17 +109,27 @@ class ParallelLoraLinear(_LoraLinear):
                 a.weight.copy_(twin_a.weight.index_select(1, index))
                 b.weight.copy_(twin_b.weight)
 
+    def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
+        """How lora_A or lora_B (`which`: "A" or "B") of an adapter is spread: B's rows of a Column, A's
+        columns of a Row, as the base weight's out or in features; None for the whole one."""
+        column, shard, _, _ = self._split()
+        if (which == "B") != column:
+            return None
+        r = self.r[adapter_name]
+        features = shard.full_shape[shard.dim]  # the base weight's split features (out of a Column, in of a Row)
+        return ParamShard(name=f"lora_{which}", full_shape=(features, r) if column else (r, features),
+                          dim=0 if column else 1, pieces=shard.pieces, replicated_heads=shard.replicated_heads)
+
     def _hook_partial_gradients(self, adapter_name: str) -> None:
         """dA of a Column and dB of a Row are sums over ranks; B rows of replicated KV heads sum over holders."""
         column, shard, rank, group = self._split()
-        whole = self.lora_A[adapter_name].weight if column else self.lora_B[adapter_name].weight
-        whole.register_hook(functools.partial(all_reduced, group=group))
-        if column and shard.replicated_heads:
-            b = self.lora_B[adapter_name].weight  # (out_local, r): rows as the base weight's out features
-            rows = ParamShard(name=shard.name, full_shape=(shard.full_shape[shard.dim], b.shape[1]), dim=0,
-                              pieces=shard.pieces, replicated_heads=True)
+        _on_gradient(self.lora_A[adapter_name] if column else self.lora_B[adapter_name],
+                     functools.partial(all_reduced, group=group))
+        rows = self.adapter_shard("B", adapter_name)
+        if rows is not None and rows.replicated_heads:
             index = torch.tensor(shard.indices(rank), dtype=torch.long)
-            b.register_hook(functools.partial(sum_over_holders, shard=rows, index=index, group=group))
+            _on_gradient(self.lora_B[adapter_name],
+                         functools.partial(sum_over_holders, shard=rows, index=index, group=group))
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         self._check_forward_args(x, *args, **kwargs)
@@ -147,6 +157,21 @@ class ParallelLoraLinear(_LoraLinear):
             term = b(a(self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype)))) * self.scaling[name]
             out = term if out is None else out + term
         return out.to(dtype)
+
+
+def _on_gradient(linear: nn.Linear, hook) -> None:
+    """`hook` on the gradient of linear.weight, now if it trains, else at its first forward that trains
+    (an adapter loaded for inference may be made trainable later); once per parameter object."""
+    hooked: list[torch.Tensor] = []
+
+    def attach(module, args):
+        p = module.weight
+        if p.requires_grad and not any(h is p for h in hooked):
+            p.register_hook(hook)
+            hooked.append(p)
+
+    attach(linear, ())
+    linear.register_forward_pre_hook(attach)
 
 
 def prepare(model: nn.Module) -> nn.Module:
@@ -178,3 +203,79 @@ def get_peft_model(model: nn.Module, config, adapter_name: str = "default", **kw
     """peft.get_peft_model on a tpmap-sharded model: adapters on its Column and Row layers (see the module)."""
     prepare(model)
     return peft.get_peft_model(model, register(config), adapter_name=adapter_name, **kwargs)
+
+
+def _adapter_tensors(peft_model):
+    """(parameter name, file key, tensor, ParamShard or None) of every LoRA A and B: the file key is PEFT's
+    (the adapter name dropped), the shard says how a ParallelLoraLinear's tensor is split (None: whole)."""
+    for module_name, module in peft_model.named_modules():
+        if not isinstance(module, peft.tuners.lora.LoraLayer):
+            continue
+        for which, container in (("A", module.lora_A), ("B", module.lora_B)):
+            for adapter, linear in container.items():
+                shard = module.adapter_shard(which, adapter) if isinstance(module, ParallelLoraLinear) else None
+                yield (f"{module_name}.lora_{which}.{adapter}.weight", adapter, f"{module_name}.lora_{which}.weight",
+                       linear.weight, shard)
+
+
+def _group(peft_model):
+    layers = [m for m in peft_model.modules() if isinstance(m, ParallelLoraLinear)]
+    if not layers:
+        raise ValueError("tpmap.peft: the model has no LoRA layer on a tpmap Column or Row")
+    return layers[0].get_base_layer().tp_group
+
+
+def save_pretrained(peft_model, save_directory, **kwargs) -> None:
+    """Write a standard PEFT adapter (adapter_config.json, adapter_model.safetensors with full-size tensors)
+    from the group's rank 0; plain PEFT loads it on an unsharded base. A collective: call it on every rank.
+    ``kwargs`` go to PeftModel.save_pretrained (selected_adapters, safe_serialization, ...)."""
+    from tpmap.engine.shard import full_tensor
+
+    group = _group(peft_model)
+    rank = dist.get_rank(group)
+    full = {name: full_tensor(t, shard, group, dst=0) if shard is not None else t.detach()
+            for name, _, _, t, shard in _adapter_tensors(peft_model)}
+    if rank == 0:
+        state = peft_model.state_dict()
+        state.update(full)
+        peft_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+    dist.barrier(group=group)
+
+
+def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default", is_trainable: bool = False):
+    """PeftModel.from_pretrained for a tpmap-sharded model: a LoRA adapter folder (as PEFT writes it, full
+    size) onto the sharded layers, each rank reading only its slices of adapter_model.safetensors."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    config = peft.PeftConfig.from_pretrained(str(adapter_dir))
+    if config.peft_type != peft.PeftType.LORA:
+        raise ValueError(f"{adapter_dir}: tpmap.peft loads LoRA adapters, this one is {config.peft_type}")
+    config.inference_mode = not is_trainable
+    prepare(model)
+    peft_model = peft.PeftModel(model, register(config), adapter_name)
+    file = Path(adapter_dir) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no adapter_model.safetensors (tpmap.peft reads safetensors adapters)")
+    rank = dist.get_rank(_group(peft_model))
+    with safe_open(str(file), framework="pt") as f, torch.no_grad():
+        keys = set(f.keys())
+        for _, adapter, key, tensor, shard in _adapter_tensors(peft_model):
+            if adapter != adapter_name:
+                continue
+            if key not in keys:
+                raise ValueError(f"{file}: no tensor {key!r} for the adapter's {tuple(tensor.shape)} weight; "
+                                 "was it saved for another model or target_modules?")
+            if shard is None:
+                local = f.get_tensor(key)
+            else:  # only this rank's ranges are read
+                cut = f.get_slice(key)
+                parts = [cut[start:start + n] if shard.dim == 0 else cut[:, start:start + n]
+                         for start, n in shard.pieces[rank]]
+                local = torch.cat(parts, dim=shard.dim)
+            if tuple(local.shape) != tuple(tensor.shape):
+                raise ValueError(f"{file}: {key!r} gives {tuple(local.shape)} on this rank, the layer needs "
+                                 f"{tuple(tensor.shape)} (an adapter of another rank r or model?)")
+            tensor.copy_(local)
+    return peft_model
