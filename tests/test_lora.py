@@ -1,6 +1,7 @@
 """LoRA through PEFT (tpmap.peft) on real ranks, exact against unsharded PEFT in the same run (fp64):
-logits, every LoRA gradient against the reference slice, two SGD steps, the adapter saved full size (plain
-PEFT loads it on the unsharded base) and loaded back onto a fresh sharded model, merge_and_unload.
+logits, every LoRA gradient against the reference slice, two SGD steps, a second adapter (add_adapter,
+set_adapter), the adapter saved full size (plain PEFT loads it on the unsharded base) and loaded back onto
+a fresh sharded model, merge_and_unload.
 
 Bounds: fp64 sums reordered by sharding (measured <= 1e-12 where transformers' float32 norms are not in
 the path, <= 1.2e-7 through them, as test_training.py); a wrong split or a missing collective is off by O(1).
@@ -38,7 +39,7 @@ def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, ws, tmp_
         assert r["fresh_whole_differs"] == 0, ("a whole adapter tensor differs across ranks at init", rank, r)
         assert r["logits_rel"] <= BOUND, (rank, r["logits_rel"])
         assert r["grad_rel"] <= BOUND, (rank, r["grad_rel"], r["grad_worst"])
-        for key in ("stepped_rel", "loaded_rel", "merged_rel") + (("saved_rel",) if rank == 0 else ()):
+        for key in ("stepped_rel", "second_rel", "loaded_rel", "merged_rel") + (("saved_rel",) if rank == 0 else ()):
             assert r[key] <= BOUND, (key, rank, r[key])
         assert r["merged_left"] == 0, (rank, r)
     assert per_rank[0]["file_shapes_ok"], "the saved adapter's tensors are not the unsharded model's shapes"
