@@ -267,7 +267,10 @@ class VocabParallelLMHead(_TPModule):
         self.in_features, self.out_features = weight.shape[1], vocab_size
 
     def forward(self, x):  # (B, T, H) -> (B, T, V), or (B, T, V_pad/ws) local
-        logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        x = copy_to_tp_region(x, self.tp_group)
+        logits = F.linear(x, self.weight, self.bias)
+        if self.adapter_delta is not None:
+            logits = logits + self.adapter_delta(x)  # (B, T, V_pad/ws)
         if self.loss_parallel and self.training:
             return logits
         return gather_from_tp_region(logits, self.tp_group)[..., : self.vocab_size]

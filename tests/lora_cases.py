@@ -90,7 +90,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
             continue
         base, which = _base_name(name)
         want = _reference_slice(full_named[name].grad, which, splits.get(base), reverse.get(base, False), ws, rank)
-        rel = ((p.grad - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        got = p.grad if p.grad is not None else torch.zeros_like(p)  # (never used: no gradient)
+        rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         if rel > worst:
             worst, worst_name = rel, name
     report["grad_rel"], report["grad_worst"] = worst, worst_name

@@ -12,12 +12,14 @@ import pytest
 
 pytest.importorskip("peft")
 
-# (mapping, class, LoRA targets), each on the first verify config claiming the world size: plain Linear q/k/v/o
-# with GQA (2 KV heads replicated at ws 4), Conv1D with fused q/k/v (reverse, combined_qkv), fused qkv and
-# gate_up (sections). The default tier runs gpt2 at ws 2; the full tier all.
+# (mapping, class, LoRA targets), each on the first verify config claiming the world size: plain Linear
+# q/k/v/o with GQA (2 KV heads replicated at ws 4) and the vocabulary-parallel LM head (256 rows: padded at
+# ws 3), Conv1D with fused q/k/v (reverse, combined_qkv), fused qkv and gate_up (sections). The default tier
+# runs gpt2 at ws 2; the full tier all.
 FAMILIES = [
     pytest.param("llama", "LlamaForCausalLM",
-                 ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], marks=pytest.mark.full),
+                 ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
+                 marks=pytest.mark.full),
     ("gpt2", "GPT2LMHeadModel", ["c_attn", "c_proj", "c_fc"]),
     pytest.param("phi3", "Phi3ForCausalLM", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                  marks=pytest.mark.full),

@@ -22,7 +22,7 @@ a Column's LoRA input is replicated (the same mask on every rank, drawn before t
 this rank's slice (drawn in the sharded region). Merging (``merge_and_unload``) adds B_r A (Column) or B A_r
 (Row) to the local weight: PEFT's own merge, since the adapter tensors are shaped like the local weight.
 
-Not yet: vocabulary-parallel embeddings and LM heads, expert Params (``target_parameters``), sequence
+Not yet: vocabulary-parallel embeddings, expert Params (``target_parameters``), sequence
 parallelism, mixed-adapter batches, DoRA and other LoRA variants: each is refused with a message.
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("tpmap.peft needs PEFT: pip install 'tpmap[peft]'") from e
 
 from tpmap.api import PLAN_ATTR, SEQUENCE_ATTR
-from tpmap.engine.layers import ColumnParallelLinear, RowParallelLinear
+from tpmap.engine.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 from tpmap.engine.plan import ParamShard
-from tpmap.engine.shard import all_reduced, sum_over_holders
+from tpmap.engine.shard import all_reduced, sum_over_holders, take
 
 SHARD_ATTR = "tpmap_weight_shard"  # set on each Column/Row by `prepare`: the ParamShard of its weight
 
@@ -61,11 +61,11 @@ class ParallelLoraLinear(_LoraLinear):
         if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
             raise NotImplementedError("tpmap.peft supports plain LoRA (use_dora=False, lora_bias=False)")
         super().__init__(base_layer, adapter_name, config, **kwargs)
-        self.fan_in_fan_out = layer.reverse  # Conv1D: merge adds (B A)^T, as PEFT's fan_in_fan_out
+        self.fan_in_fan_out = getattr(layer, "reverse", False)  # Conv1D: merge adds (B A)^T, as PEFT's fan_in_fan_out
 
     def _get_in_out_features(self, module):  # the LOCAL weight's shape: A and B come out split or whole right
         w = module.weight
-        out_features, in_features = (w.shape[1], w.shape[0]) if module.reverse else w.shape
+        out_features, in_features = (w.shape[1], w.shape[0]) if getattr(module, "reverse", False) else w.shape
         return in_features, out_features
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
@@ -80,13 +80,14 @@ class ParallelLoraLinear(_LoraLinear):
     def _split(self) -> tuple[bool, ParamShard, int, object]:
         layer = self.get_base_layer()
         group = layer.tp_group
-        return isinstance(layer, ColumnParallelLinear), getattr(layer, SHARD_ATTR), dist.get_rank(group), group
+        column = isinstance(layer, (ColumnParallelLinear, VocabParallelLMHead))
+        return column, getattr(layer, SHARD_ATTR), dist.get_rank(group), group
 
     def _init_like_unsharded(self, adapter_name: str, init) -> None:
         """PEFT's own init of full-size A and B, drawn alike on every rank (a seed from the group's first
         rank), then this rank's slice: whole tensors agree across ranks, split ones are slices of one tensor."""
-        column, shard, rank, group = self._split()
-        reverse = self.get_base_layer().reverse
+        _, shard, rank, group = self._split()
+        reverse = getattr(self.get_base_layer(), "reverse", False)
         full_out, full_in = shard.full_shape[::-1] if reverse else shard.full_shape
         a, b = self.lora_A[adapter_name], self.lora_B[adapter_name]
         seed = torch.randint(0, 2**62, (1,))
@@ -100,14 +101,10 @@ class ParallelLoraLinear(_LoraLinear):
                 self.reset_lora_parameters(adapter_name, init)
             finally:
                 self.lora_A[adapter_name], self.lora_B[adapter_name] = a, b
-        index = torch.tensor(shard.indices(rank), dtype=torch.long)
-        with torch.no_grad():
-            if column:  # B_r: the rows of B the base weight keeps
-                a.weight.copy_(twin_a.weight)
-                b.weight.copy_(twin_b.weight.index_select(0, index))
-            else:  # A_r: the columns of A the base weight keeps
-                a.weight.copy_(twin_a.weight.index_select(1, index))
-                b.weight.copy_(twin_b.weight)
+        with torch.no_grad():  # B_r: the rows of B a Column keeps; A_r: the columns of A a Row keeps
+            for which, module, twin in (("A", a, twin_a), ("B", b, twin_b)):
+                split = self.adapter_shard(which, adapter_name)
+                module.weight.copy_(twin.weight if split is None else take(twin.weight, split, rank))
 
     def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
         """How lora_A or lora_B (`which`: "A" or "B") of an adapter is spread: B's rows of a Column, A's
@@ -118,7 +115,8 @@ class ParallelLoraLinear(_LoraLinear):
         r = self.r[adapter_name]
         features = shard.full_shape[shard.dim]  # the base weight's split features (out of a Column, in of a Row)
         return ParamShard(name=f"lora_{which}", full_shape=(features, r) if column else (r, features),
-                          dim=0 if column else 1, pieces=shard.pieces, replicated_heads=shard.replicated_heads)
+                          dim=0 if column else 1, pieces=shard.pieces, replicated_heads=shard.replicated_heads,
+                          local_size=shard.local_size)  # (a vocabulary's padded rows: zeros, never read)
 
     def _hook_partial_gradients(self, adapter_name: str) -> None:
         """dA of a Column and dB of a Row are sums over ranks; B rows of replicated KV heads sum over holders."""
@@ -185,7 +183,7 @@ def prepare(model: nn.Module) -> nn.Module:
     if getattr(base, SEQUENCE_ATTR, None) is not None:
         raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
     for ms in plan.modules:
-        if ms.style in ("column", "row"):
+        if ms.style in ("column", "row", "vocab_head"):
             module = base.get_submodule(ms.name)
             if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):
                 module = module.get_base_layer()
@@ -194,8 +192,10 @@ def prepare(model: nn.Module) -> nn.Module:
 
 
 def register(config):
-    """`config` (a peft LoraConfig) with ParallelLoraLinear registered for tpmap's Column and Row layers."""
-    config._register_custom_module({ColumnParallelLinear: ParallelLoraLinear, RowParallelLinear: ParallelLoraLinear})
+    """`config` (a peft LoraConfig) with ParallelLoraLinear registered for tpmap's Column and Row layers and
+    its vocabulary-parallel LM head (a Column over the vocabulary: B's rows padded like the head's)."""
+    config._register_custom_module(dict.fromkeys((ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead),
+                                                 ParallelLoraLinear))
     return config
 
 
@@ -274,6 +274,9 @@ def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default"
                 parts = [cut[start:start + n] if shard.dim == 0 else cut[:, start:start + n]
                          for start, n in shard.pieces[rank]]
                 local = torch.cat(parts, dim=shard.dim)
+                pad = (shard.local_size or 0) - local.shape[shard.dim]
+                if pad > 0:  # a vocabulary's padded rows
+                    local = torch.cat([local, local.new_zeros(pad, local.shape[1])])
             if tuple(local.shape) != tuple(tensor.shape):
                 raise ValueError(f"{file}: {key!r} gives {tuple(local.shape)} on this rank, the layer needs "
                                  f"{tuple(tensor.shape)} (an adapter of another rank r or model?)")
