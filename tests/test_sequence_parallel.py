@@ -27,7 +27,8 @@ REFUSED = {
     "xlnet": "not batch first",
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
-    **dict.fromkeys(["dbrx", "glm4_moe", "llama4_text", "phimoe", "qwen3_moe"], "under a Reduce entry"),  # experts
+    **dict.fromkeys(["dbrx", "glm4_moe", "llama4_text", "phimoe", "qwen3_moe", "solar_open"],
+                     "under a Reduce entry"),  # experts
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoehybrid", "minimax", "mixtral", "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
