@@ -26,6 +26,7 @@ REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
+    "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     **dict.fromkeys(["dbrx", "glm4_moe", "llama4_text", "phimoe", "qwen3_moe", "solar_open"],
                      "under a Reduce entry"),  # experts
