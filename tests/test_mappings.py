@@ -31,6 +31,22 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # rounding of the cutoff flips (measured 6.1e-4 at ws 4 with its example ids, <= 1.2e-4 with 5 other seeds;
 # 1.02e-3 on layer 9's up_proj at ws 4 since composition landed, which failed CI at 10x: 30x, fp64 still 2e-6)
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30}
+# fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
+# fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
+# the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,
+# judged at its own scale) amplifies that rounding: measured at ws 4 with the mappings' example ids 2.35e-6
+# (qwen3_5_text) and 3.80e-6 (qwen3_5_moe_text), 1.01e-5 for the MoE with only the delta rule's casts made
+# fp64 (the RMSNorms' float32 left), and 0.0 for every parameter of both once all those casts keep float64;
+# the next largest 7.1e-7 (the MoE's in_proj_b on rank 0), A_log exact at ws 2.
+LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text": (r"\.linear_attn\.A_log$", 10)}
+
+
+def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:
+    """The largest rel / (its parameter's loosening factor) and its parameter: judged against the plain bound."""
+    pattern, factor = LOOSE_FP64.get(ref, ("$^", 1)) if key == "grad_fp64" else ("$^", 1)
+    scaled = {name: rel / (factor if re.search(pattern, name) else 1) for name, rel in g["rels"].items()}
+    name = max(scaled, key=scaled.get, default="")
+    return scaled.get(name, 0.0), name
 # How the unsharded model fails each check a verify config declares `not_checked` (its reason, as the
 # exception or non-finite result it raises): the claim is proven only by that failure, not by any failure
 NOT_CHECKED_FAILS = {
@@ -80,7 +96,8 @@ def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, ge
                 # every parameter compared, every split one against its reference slice
                 assert g["checked"] == g["params"] and g["sharded"] == g["expected_sharded"], (key, g)
                 assert g["sharded"] and set(g["reshaped"]) <= set(g["sharded"]), (key, g)
-                assert g["worst_rel"] <= bound, (key, g["worst_rel"], g["worst_name"])
+                worst, worst_name = _worst_over_bound(ref, key, g)
+                assert worst <= bound, (key, worst, worst_name, g["worst_rel"], g["worst_name"])
                 assert g["loss_diff"] <= 1e-5 * max(1.0, abs(g["loss"])), (key, g)
         for check in ("grad_fp64", "generate"):  # declared not_checked: the unsharded model must fail as documented
             error = r.get(f"{check}_unsharded_error", "")

@@ -26,14 +26,16 @@ REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
+    "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     **dict.fromkeys(  # experts
-        ["dbrx", "glm4_moe", "kolibri1", "llama4_text", "phimoe", "qwen3_moe"], "under a Reduce entry"),
+        ["dbrx", "glm4_moe", "kolibri1", "llama4_text", "phimoe", "qwen3_moe", "solar_open"], "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoehybrid", "minimax", "mixtral", "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
+        ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
+         "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "falcon_mamba", "gemma3n_text", "jamba", "mamba", "reformer", "rwkv",
          "zamba2"], "does not follow the Column -> Row pattern"),
