@@ -336,6 +336,7 @@ def rng_region_case() -> dict:
     """The sharded-region generator differs per rank; the default stream stays in step across ranks."""
     from tpmap.engine import rng
 
+    left_open = rng.in_sharded_region()  # by an earlier task on these ranks: enter would then be a no-op
     torch.manual_seed(5)
     before = torch.rand(4)
     rng.enter_sharded_region(dist.get_rank(), torch.device("cpu"))
@@ -347,6 +348,7 @@ def rng_region_case() -> dict:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, t)
         gathered[key] = len({tuple(p.tolist()) for p in parts})
+    gathered["left_open"] = left_open
     return gathered
 
 
