@@ -28,6 +28,7 @@ parallelism, mixed-adapter batches, DoRA and other LoRA variants: each is refuse
 from __future__ import annotations
 
 import functools
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,13 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("tpmap.peft needs PEFT: pip install 'tpmap[peft]'") from e
 
-from tpmap.api import PLAN_ATTR, SEQUENCE_ATTR
+from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.engine.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 from tpmap.engine.plan import ParamShard
-from tpmap.engine.shard import all_reduced, sum_over_holders, take
+from tpmap.engine.shard import all_reduced, full_tensor, sum_over_holders, take
 
 SHARD_ATTR = "tpmap_weight_shard"  # set on each Column/Row by `prepare`: the ParamShard of its weight
+SEED_ATTR = "tpmap_lora_seed"  # and the seed fresh adapters are drawn from, the same on every rank
 
 
 class ParallelLoraLinear(_LoraLinear):
@@ -84,16 +86,16 @@ class ParallelLoraLinear(_LoraLinear):
         return column, getattr(layer, SHARD_ATTR), dist.get_rank(group), group
 
     def _init_like_unsharded(self, adapter_name: str, init) -> None:
-        """PEFT's own init of full-size A and B, drawn alike on every rank (a seed from the group's first
-        rank), then this rank's slice: whole tensors agree across ranks, split ones are slices of one tensor."""
-        _, shard, rank, group = self._split()
+        """PEFT's own init of full-size A and B, drawn alike on every rank (from the seed `prepare` shared once,
+        mixed with the weight's and the adapter's names: no collective per layer), then this rank's slice:
+        whole tensors agree across ranks, split ones are slices of one tensor."""
+        _, shard, rank, _ = self._split()
         reverse = getattr(self.get_base_layer(), "reverse", False)
         full_out, full_in = shard.full_shape[::-1] if reverse else shard.full_shape
         a, b = self.lora_A[adapter_name], self.lora_B[adapter_name]
-        seed = torch.randint(0, 2**62, (1,))
-        dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        seed = self.get_base_layer().__dict__[SEED_ATTR] + zlib.crc32(f"{shard.name}/{adapter_name}".encode())
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(seed))
+            torch.manual_seed(seed % 2**63)
             twin_a = nn.Linear(full_in, a.out_features, bias=False, dtype=a.weight.dtype)
             twin_b = nn.Linear(b.in_features, full_out, bias=False, dtype=b.weight.dtype)
             self.lora_A[adapter_name], self.lora_B[adapter_name] = twin_a, twin_b
@@ -182,12 +184,16 @@ def prepare(model: nn.Module) -> nn.Module:
                          "first; an unsharded model needs plain peft.get_peft_model)")
     if getattr(base, SEQUENCE_ATTR, None) is not None:
         raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
+    seed = torch.randint(0, 2**62, (1,))  # one draw, shared: fresh adapters then need no collective per layer
+    group = getattr(base, GROUP_ATTR, None)
+    dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     for ms in plan.modules:
         if ms.style in ("column", "row", "vocab_head"):
             module = base.get_submodule(ms.name)
             if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):
                 module = module.get_base_layer()
             module.__dict__[SHARD_ATTR] = ms.weight
+            module.__dict__[SEED_ATTR] = int(seed)
     return model
 
 
@@ -229,8 +235,6 @@ def save_pretrained(peft_model, save_directory, **kwargs) -> None:
     """Write a standard PEFT adapter (adapter_config.json, adapter_model.safetensors with full-size tensors)
     from the group's rank 0; plain PEFT loads it on an unsharded base. A collective: call it on every rank.
     ``kwargs`` go to PeftModel.save_pretrained (selected_adapters, safe_serialization, ...)."""
-    from tpmap.engine.shard import full_tensor
-
     group = _group(peft_model)
     rank = dist.get_rank(group)
     full = {name: full_tensor(t, shard, group, dst=0) if shard is not None else t.detach()
