@@ -106,11 +106,14 @@ class RowParallelLinear(_TPModule):
             y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),
                                                   self.tp_group, -2)
         else:
-            partial = _matmul(x, self.weight, self.reverse)  # (..., out): this rank's term of the sum
-            if self.adapter_delta is not None:
-                partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce
-            if self.training:
-                rng.leave_sharded_region(self.dropout_watch)
+            try:
+                partial = _matmul(x, self.weight, self.reverse)  # (..., out): this rank's term of the sum
+                if self.adapter_delta is not None:
+                    partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce
+            finally:  # also when the product raises: activation checkpointing stops its replay early by
+                # raising from the pack hook of the last tensor it needs, here when this Row saves it
+                if self.training:
+                    rng.leave_sharded_region(self.dropout_watch)
             y = reduce_from_tp_region(partial, self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
 

@@ -12,7 +12,11 @@
   replays the default stream, replays the same masks (Megatron needs its own checkpoint for that).
 
 Regions are entered by `ColumnParallelLinear` (without gather_output) and left by `RowParallelLinear`,
-only in training mode; in eval mode nothing is drawn or swapped.
+only in training mode; in eval mode nothing is drawn or swapped. The Row leaves even when its product
+raises: activation checkpointing stops a replay early by raising from the pack hook of the last tensor it
+needs, which is usually a Row's input, and a region left open there would make every later replay and
+step skip the reseeding (the masks of the sharded regions, and so the gradients, wrong). `RegionGuard`
+makes sure no region outlives a forward of the model.
 
 Under torch.compile: dynamo cannot put RNG state changes in a graph (it graph-breaks on
 get/set_rng_state and manual_seed on purpose: AOT graphs drop them), and inductor draws a graph's
@@ -100,6 +104,28 @@ def _leave() -> None:
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, device)
     _state.saved = None
+
+
+class RegionGuard:
+    """No sharded region outlives a forward of the model: hooks on its root module.
+
+    * ``close`` (a forward hook that runs even when the forward raises): a region an exception left open
+      between a Column and its Row is left, restoring the default stream, so the ranks stay in step.
+    * ``open`` (a pre-hook): a region still open when a forward starts is forgotten without restoring
+      anything. Only a replay can leave one (a Row and a sequence-parallel block leave theirs even when they
+      raise, as activation checkpointing does to stop a replay early), and the replay restores the default
+      stream itself.
+
+    Compiled forwards skip both: they enter and leave regions outside the graph, in pairs.
+    """
+
+    def open(self, *_):
+        if not torch.compiler.is_compiling():
+            _state.saved = None
+
+    def close(self, *_):
+        if not torch.compiler.is_compiling():
+            _leave()
 
 
 _enter_outside_graph = torch.compiler.disable(_enter, reason="tpmap: rank-specific RNG region (dropout)")

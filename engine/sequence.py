@@ -376,7 +376,7 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, group) -> Sequ
         block = model.get_submodule(name)
         block.register_forward_pre_hook(state.split_side_inputs, with_kwargs=True)
         block.register_forward_pre_hook(state.enter_block, with_kwargs=True)
-        block.register_forward_hook(state.leave_block)
+        block.register_forward_hook(state.leave_block, always_call=True)  # also when it raises (rng.RegionGuard)
     for name in sp.parents:
         model.get_submodule(name).register_forward_pre_hook(state.gather_parent_input, with_kwargs=True)
     for name in sp.whole:

@@ -185,6 +185,9 @@ def _watch_dropout(model: nn.Module, modules) -> None:
             module.__dict__["dropout_watch"] = watch
     model.__dict__["tpmap_dropout_watch"] = watch
     model.train = types.MethodType(_train_and_rescan, model)
+    guard = rng.RegionGuard()
+    model.register_forward_pre_hook(guard.open)
+    model.register_forward_hook(guard.close, always_call=True)
 
 
 def _train_and_rescan(self: nn.Module, mode: bool = True) -> nn.Module:

@@ -283,18 +283,22 @@ def adamw_case(ref: str, verify_index: int, class_name: str, steps: int = 3, ini
                                                                    for k in diffs)}
 
 
-def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
+def dropout_case(ref: str, verify_index: int, class_name: str, attention_dropout: float | None = None) -> dict:
     """Train mode with dropout: replicated outputs identical on every rank; checkpointing replays masks;
     the attention-probability masks inside the sharded region differ between ranks (each rank's heads
-    get their own mask, as slices of one full mask would)."""
+    get their own mask, as slices of one full mask would). `attention_dropout`: set on every module that
+    has the attribute (Llama's attention reads it at each forward; its config's default is 0)."""
     from tpmap.engine import rng
 
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
+    for module in full.modules():
+        if attention_dropout is not None and hasattr(module, "attention_dropout"):
+            module.attention_dropout = attention_dropout
     full.set_attn_implementation("eager")  # attention dropout through F.dropout, where it can be seen
     inputs = verify.case_inputs(ref, verify_index, full)
     results = {}
-    grads = []
+    grads, second_steps = [], []
     sharded_masks = []
     real_dropout = torch.nn.functional.dropout
 
@@ -320,10 +324,17 @@ def dropout_case(ref: str, verify_index: int, class_name: str) -> dict:
         results[f"ranks_agree_{checkpointing}"] = all(torch.equal(everyone[0], o) for o in everyone)
         (out.float() ** 2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        # the replay in backward closed every region it opened (activation checkpointing stops a replay early,
+        # at the last tensor it needs: inside a Row), so the next step's masks are those of a run without it
+        results[f"open_after_backward_{checkpointing}"] = rng.in_sharded_region()
+        torch.manual_seed(4321)
+        second_steps.append(verify.main_output(model(**inputs)).detach())
         with torch.no_grad():
             eval_out = verify.main_output(model.eval()(**inputs))
         results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(out, eval_out)
     results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    results["checkpointing_same_second_step"] = ((second_steps[0] - second_steps[1]).abs().max()
+                                                 / second_steps[0].abs().max()).item()  # relative
     mask = sharded_masks[0] if sharded_masks else torch.zeros(0, dtype=torch.bool)
     everyone = [torch.empty_like(mask) for _ in range(ws)]
     dist.all_gather(everyone, mask)
@@ -350,6 +361,28 @@ def rng_region_case() -> dict:
         gathered[key] = len({tuple(p.tolist()) for p in parts})
     gathered["left_open"] = left_open
     return gathered
+
+
+def region_after_error_case() -> dict:
+    """A training forward that raises between a Column and its Row (in the attention, before o_proj) leaves
+    no sharded region open, and the default streams of the ranks stay in step."""
+    from tpmap.engine import rng
+
+    model = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), dist.get_world_size()).train()
+
+    def planted(*_):
+        raise RuntimeError("planted")
+
+    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(planted)
+    torch.manual_seed(7)
+    try:
+        model(input_ids=torch.arange(8).view(1, 8))
+    except RuntimeError as e:
+        assert str(e) == "planted", e
+    draw = torch.rand(4)
+    parts = [torch.empty_like(draw) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, draw)
+    return {"open": rng.in_sharded_region(), "streams": len({tuple(p.tolist()) for p in parts})}
 
 
 def generate_case(ref: str, verify_index: int, class_name: str, cache: str | None = None,
