@@ -146,3 +146,57 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
                             / forward(merged_full).abs().max()).item()
     report["merged_left"] = sum(1 for n, _ in merged_sharded.named_parameters() if LORA in n)
     return report
+
+
+def bad_adapter_case(folder: str) -> dict:
+    """Adapters that do not fit, loaded onto a sharded Llama: one trained on a model with a wider MLP (another
+    size), and one whose file lacks a tensor. Each is refused on every rank alike, and the model is left as it
+    was: the same module classes, requires_grad flags, state-dict names and logits, no peft_config."""
+    from peft import PeftModel
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    if rank == 0:
+        config = verify.tiny_config("llama", 0)
+        config.intermediate_size *= 2
+        other = transformers_class("LlamaForCausalLM")(config)
+        torch.manual_seed(2)
+        unsharded_peft_model(other, LoraConfig(r=4, target_modules=targets)).save_pretrained(f"{folder}/wider")
+        fits = unsharded_peft_model(verify.build_model("llama", 0, "LlamaForCausalLM"),
+                                    LoraConfig(r=4, target_modules=targets))
+        fits.save_pretrained(f"{folder}/fits")
+        fits.save_pretrained(f"{folder}/missing")
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(f"{folder}/missing/adapter_model.safetensors")
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, f"{folder}/missing/adapter_model.safetensors")
+    dist.barrier()
+    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws)
+    ids = torch.arange(12).view(2, 6)
+
+    def state():
+        return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
+                [(n, p.requires_grad) for n, p in sharded.named_parameters()], list(sharded.state_dict()),
+                "peft_config" in vars(sharded))
+
+    before, logits = state(), sharded(input_ids=ids).logits
+    report = {}
+    for kind in ("wider", "missing"):
+        try:
+            tpmap.peft.from_pretrained(sharded, f"{folder}/{kind}")
+            report[kind] = None
+        except ValueError as e:
+            report[kind] = str(e)
+        report[f"{kind}_untouched"] = state() == before
+        report[f"{kind}_same_logits"] = torch.equal(sharded(input_ids=ids).logits, logits)
+    # and an adapter that fits still loads afterwards
+    loaded = tpmap.peft.from_pretrained(sharded, f"{folder}/fits")
+    report["then_loads"] = isinstance(loaded, PeftModel) and any(LORA in n for n, _ in loaded.named_parameters())
+    return report
+
+
+def transformers_class(name: str):
+    import transformers
+
+    return getattr(transformers, name)

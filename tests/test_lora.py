@@ -45,3 +45,17 @@ def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, ws, tmp_
             assert r[key] <= BOUND, (key, rank, r[key])
         assert r["merged_left"] == 0, (rank, r)
     assert per_rank[0]["file_shapes_ok"], "the saved adapter's tensors are not the unsharded model's shapes"
+
+
+def test_an_adapter_that_does_not_fit_is_refused_on_every_rank_and_leaves_the_model_as_it_was(ranks, tmp_path):
+    import lora_cases
+
+    per_rank = ranks(2).run(lora_cases.bad_adapter_case, str(tmp_path))
+    for r in per_rank:
+        assert r["wider"] is not None and "mlp.gate_proj.lora_B.weight" in r["wider"], r["wider"]
+        assert "(384, 4)" in r["wider"] and "(192, 4)" in r["wider"], r["wider"]  # both shapes named
+        assert r["missing"] is not None and "no tensor" in r["missing"], r["missing"]
+        assert r["wider_untouched"] and r["missing_untouched"], r
+        assert r["wider_same_logits"] and r["missing_same_logits"], r
+        assert r["then_loads"], r
+    assert per_rank[0]["wider"] == per_rank[1]["wider"] and per_rank[0]["missing"] == per_rank[1]["missing"]

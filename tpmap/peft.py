@@ -248,41 +248,66 @@ def save_pretrained(peft_model, save_directory, **kwargs) -> None:
 
 def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default", is_trainable: bool = False):
     """PeftModel.from_pretrained for a tpmap-sharded model: a LoRA adapter folder (as PEFT writes it, full
-    size) onto the sharded layers, each rank reading only its slices of adapter_model.safetensors."""
-    from pathlib import Path
+    size) onto the sharded layers, each rank reading only its slices of adapter_model.safetensors.
 
-    from safetensors import safe_open
+    Every tensor's full shape is checked against the layer it goes to before any value is read: an adapter
+    of another model size (or rank r) raises ValueError naming the tensor and both shapes, and a failed load
+    takes the adapter layers out again (`unload`), so the model is left as it was. The check reads only the
+    file's header and the plan, the same on every rank, so every rank raises alike."""
+    from pathlib import Path
 
     config = peft.PeftConfig.from_pretrained(str(adapter_dir))
     if config.peft_type != peft.PeftType.LORA:
         raise ValueError(f"{adapter_dir}: tpmap.peft loads LoRA adapters, this one is {config.peft_type}")
-    config.inference_mode = not is_trainable
-    prepare(model)
-    peft_model = peft.PeftModel(model, register(config), adapter_name)
     file = Path(adapter_dir) / "adapter_model.safetensors"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no adapter_model.safetensors (tpmap.peft reads safetensors adapters)")
-    rank = dist.get_rank(_group(peft_model))
-    with safe_open(str(file), framework="pt") as f, torch.no_grad():
-        keys = set(f.keys())
-        for _, adapter, key, tensor, shard in _adapter_tensors(peft_model):
-            if adapter != adapter_name:
-                continue
-            if key not in keys:
-                raise ValueError(f"{file}: no tensor {key!r} for the adapter's {tuple(tensor.shape)} weight; "
-                                 "was it saved for another model or target_modules?")
-            if shard is None:
-                local = f.get_tensor(key)
-            else:  # only this rank's ranges are read
-                cut = f.get_slice(key)
-                parts = [cut[start:start + n] if shard.dim == 0 else cut[:, start:start + n]
-                         for start, n in shard.pieces[rank]]
-                local = torch.cat(parts, dim=shard.dim)
-                pad = (shard.local_size or 0) - local.shape[shard.dim]
-                if pad > 0:  # a vocabulary's padded rows
-                    local = torch.cat([local, local.new_zeros(pad, local.shape[1])])
-            if tuple(local.shape) != tuple(tensor.shape):
-                raise ValueError(f"{file}: {key!r} gives {tuple(local.shape)} on this rank, the layer needs "
-                                 f"{tuple(tensor.shape)} (an adapter of another rank r or model?)")
-            tensor.copy_(local)
+    config.inference_mode = not is_trainable
+    prepare(model)
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    had_config = "peft_config" in vars(model)
+    peft_model = peft.PeftModel(model, register(config), adapter_name)
+    try:
+        _load_slices(peft_model, file, adapter_name)
+    except BaseException:  # the model as it was: its own modules, requires_grad flags and attributes back
+        peft_model.base_model.unload()
+        for name, p in model.named_parameters():
+            p.requires_grad_(trainable[name])
+        if not had_config:
+            vars(model).pop("peft_config", None)
+        raise
     return peft_model
+
+
+def _load_slices(peft_model, file, adapter_name: str) -> None:
+    from safetensors import safe_open
+
+    rank = dist.get_rank(_group(peft_model))
+    wanted = [(key, tensor, shard) for _, adapter, key, tensor, shard in _adapter_tensors(peft_model)
+              if adapter == adapter_name]
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        for key, tensor, shard in wanted:  # every check first, from the header: the same on every rank
+            full = tuple(tensor.shape) if shard is None else shard.full_shape
+            if key not in keys:
+                raise ValueError(f"{file}: no tensor {key!r} for the adapter's {full} weight; was it saved for "
+                                 "another model or target_modules?")
+            stored = tuple(f.get_slice(key).get_shape())
+            if stored != tuple(full):
+                raise ValueError(f"{file}: {key!r} is {stored}, the model's layer needs {tuple(full)}: an adapter "
+                                 "trained on another model size or with another rank r (check the base model and "
+                                 "adapter_config.json's r / rank_pattern)")
+        with torch.no_grad():
+            for key, tensor, shard in wanted:
+                if shard is None:
+                    local = f.get_tensor(key)
+                else:  # only this rank's ranges are read
+                    cut = f.get_slice(key)
+                    parts = [cut[start:start + n] if shard.dim == 0 else cut[:, start:start + n]
+                             for start, n in shard.pieces[rank]]
+                    local = torch.cat(parts, dim=shard.dim)
+                    pad = (shard.local_size or 0) - local.shape[shard.dim]
+                    if pad > 0:  # a vocabulary's padded rows
+                        local = torch.cat([local, local.new_zeros(pad, local.shape[1])])
+                assert tuple(local.shape) == tuple(tensor.shape), (key, local.shape, tensor.shape)
+                tensor.copy_(local)
