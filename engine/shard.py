@@ -234,6 +234,7 @@ def _on_output(module: nn.Module, op, kind: str) -> None:
         raise TypeError(f"{type(module).__name__} under a {kind} entry returned {type(output).__name__}; "
                         f"{kind} takes a tensor output (or the first tensor of a tuple)")
 
+    hook.tpmap_entry = kind  # an adapter wrapping the module takes the hook over (tpmap.peft)
     module.register_forward_hook(hook)
 
 
@@ -244,6 +245,7 @@ def _reduce_output(module: nn.Module, group) -> None:
         kwargs = {k: copy_to_tp_region(v, group) if _floating(v) else v for k, v in kwargs.items()}
         return args, kwargs
 
+    enter.tpmap_entry = "Reduce"
     module.register_forward_pre_hook(enter, with_kwargs=True)
     _on_output(module, lambda y: reduce_from_tp_region(y, group), "Reduce")
 
@@ -283,6 +285,7 @@ def _slice_input(module: nn.Module, spec: InputSlice, rank: int) -> None:
             args = args[:spec.position] + (cut(args[spec.position]),) + args[spec.position + 1:]
         return args, kwargs
 
+    hook.tpmap_entry = "Input"
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 

@@ -73,11 +73,14 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
             want = _reference_slice(full_named[name].detach(), which, splits.get(base), reverse.get(base, False),
                                     ws, rank)
             report["split"] += int(tuple(want.shape) != tuple(full_named[name].shape))
+            assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape), splits.get(base))
             p.copy_(want)
             report["adapters"] += 1
 
-    def forward(model):
-        out = model(**{k: v for k, v in inputs.items() if k != "labels"})
+    encoder_decoder = getattr(full.config, "is_encoder_decoder", False)
+
+    def forward(model):  # (an encoder-decoder keeps its labels: its decoder inputs are made from them)
+        out = model(**{k: v for k, v in inputs.items() if k != "labels" or encoder_decoder})
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
     logits_full, logits_sharded = forward(full_peft), forward(sharded_peft)
@@ -200,3 +203,21 @@ def transformers_class(name: str):
     import transformers
 
     return getattr(transformers, name)
+
+
+def expert_target_case() -> dict:
+    """LoRA aimed at MoE expert tensors that a Param entry splits (PEFT maps gate_proj onto DeepSeek-V3's experts):
+    refused, naming the tensor, and the model left as it was."""
+    sharded = tpmap.apply(verify.build_model("deepseek_v3", 0, "DeepseekV3ForCausalLM"), dist.get_world_size())
+
+    def state():
+        return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
+                [(n, p.requires_grad) for n, p in sharded.named_parameters()], "peft_config" in vars(sharded))
+
+    before = state()
+    try:
+        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
+        message = None
+    except NotImplementedError as e:
+        message = str(e)
+    return {"message": message, "untouched": state() == before}

@@ -23,12 +23,23 @@ FAMILIES = [
     ("gpt2", "GPT2LMHeadModel", ["c_attn", "c_proj", "c_fc"]),
     pytest.param("phi3", "Phi3ForCausalLM", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                  marks=pytest.mark.full),
+    pytest.param("deepseek_v3", "DeepseekV3ForCausalLM", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                          "o_proj"],  # (gate/up/down: PEFT maps them onto experts)
+                 marks=pytest.mark.full),
+    pytest.param("t5", "T5ForConditionalGeneration", ["q", "k", "v", "o", "wi", "wo"], marks=pytest.mark.full),
+    pytest.param("bert", "BertForMaskedLM", ["query", "key", "value", "dense"], marks=pytest.mark.full),
+    pytest.param("falcon", "FalconForCausalLM", ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+                 marks=pytest.mark.full),
+    pytest.param("mixtral", "MixtralForCausalLM", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.full),
+    pytest.param("qwen3_moe", "Qwen3MoeForCausalLM", ["q_proj", "k_proj", "v_proj", "o_proj"], marks=pytest.mark.full),
 ]
 BOUND = 1e-6
+# MoE routers compute their logits in float32 even in an fp64 model (measured <= 1.9e-6 after two steps)
+LOOSER = {"deepseek_v3": 1e-5, "mixtral": 1e-5, "qwen3_moe": 1e-5}
 
 
 @pytest.mark.parametrize("ws", [2, 3, 4])
-@pytest.mark.parametrize("ref,cls,targets", FAMILIES, ids=["llama", "gpt2", "phi3"])
+@pytest.mark.parametrize("ref,cls,targets", FAMILIES, ids=lambda v: v if isinstance(v, str) and v.islower() else None)
 def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, ws, tmp_path):
     import lora_cases
 
@@ -39,10 +50,11 @@ def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, ws, tmp_
     for rank, r in enumerate(per_rank):
         assert r["adapters"] == r["trainable"] > 0 and r["split"] > 0, (rank, r)
         assert r["fresh_whole_differs"] == 0, ("a whole adapter tensor differs across ranks at init", rank, r)
-        assert r["logits_rel"] <= BOUND, (rank, r["logits_rel"])
-        assert r["grad_rel"] <= BOUND, (rank, r["grad_rel"], r["grad_worst"])
+        bound = LOOSER.get(ref, BOUND)
+        assert r["logits_rel"] <= bound, (rank, r["logits_rel"])
+        assert r["grad_rel"] <= bound, (rank, r["grad_rel"], r["grad_worst"])
         for key in ("stepped_rel", "second_rel", "loaded_rel", "merged_rel") + (("saved_rel",) if rank == 0 else ()):
-            assert r[key] <= BOUND, (key, rank, r[key])
+            assert r[key] <= bound, (key, rank, r[key])
         assert r["merged_left"] == 0, (rank, r)
     assert per_rank[0]["file_shapes_ok"], "the saved adapter's tensors are not the unsharded model's shapes"
 
@@ -59,3 +71,11 @@ def test_an_adapter_that_does_not_fit_is_refused_on_every_rank_and_leaves_the_mo
         assert r["wider_same_logits"] and r["missing_same_logits"], r
         assert r["then_loads"], r
     assert per_rank[0]["wider"] == per_rank[1]["wider"] and per_rank[0]["missing"] == per_rank[1]["missing"]
+
+
+def test_lora_on_split_expert_tensors_is_refused_and_leaves_the_model_as_it_was(ranks):
+    import lora_cases
+
+    for r in ranks(2).run(lora_cases.expert_target_case):
+        assert r["message"] is not None and "mlp.experts." in r["message"] and "Param entry" in r["message"], r
+        assert r["untouched"], r

@@ -208,7 +208,69 @@ def register(config):
 def get_peft_model(model: nn.Module, config, adapter_name: str = "default", **kwargs):
     """peft.get_peft_model on a tpmap-sharded model: adapters on its Column and Row layers (see the module)."""
     prepare(model)
-    return peft.get_peft_model(model, register(config), adapter_name=adapter_name, **kwargs)
+    before = _Before(model)
+    peft_model = peft.get_peft_model(model, register(config), adapter_name=adapter_name, **kwargs)
+    try:
+        _refuse_split_parameters(peft_model, before.names, getattr(model, PLAN_ATTR))
+    except BaseException:
+        before.restore(peft_model)
+        raise
+    return take_over_entry_hooks(peft_model)
+
+
+class _Before:
+    """What PEFT changes on the model it wraps, to put back when tpmap refuses the result."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+        self.had_config = "peft_config" in vars(model)
+
+    def restore(self, peft_model) -> None:
+        peft_model.base_model.unload()  # its own modules back in place
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(self.trainable[name])
+        if not self.had_config:
+            vars(self.model).pop("peft_config", None)
+
+
+def _refuse_split_parameters(peft_model, names: dict[int, str], plan) -> None:
+    """LoRA on a bare parameter (PEFT's ParamWrapper: ``target_parameters``, and the MoE expert tensors PEFT
+    maps names such as gate_proj onto) that a Param entry splits is not supported yet."""
+    split = {name for name, shard in plan.params.items() if shard.dim is not None}
+    for module in peft_model.modules():
+        if isinstance(module, peft.tuners.lora.ParamWrapper):
+            name = f"{names.get(id(module.get_base_layer()), '?')}.{module.parameter_name}"
+            if name in split:
+                raise NotImplementedError(
+                    f"tpmap.peft: LoRA on {name}, a tensor the mapping splits with a Param entry (MoE experts), is "
+                    "not supported yet; PEFT targets it through target_parameters, or by mapping a target_modules "
+                    "name such as gate_proj onto the experts: target the attention and dense layers instead (for "
+                    r"example target_modules=r'.*\.(q_proj|k_proj|v_proj|o_proj)')")
+
+
+def take_over_entry_hooks(peft_model):
+    """A module the mapping keeps whole but marks at its edge (Enter: its output's gradient is all-reduced;
+    Reduce; Input: a forward argument cut to this rank's heads) gets PEFT's plain LoRA layer, whose term is
+    added outside the wrapped module, past its hooks: the wrapper takes tpmap's hooks over, so they see the
+    output with the LoRA term (without it, MLA's kv_a_proj_with_mqa adapter's gradient is a partial sum).
+    Called by get_peft_model and from_pretrained; call it after an ``add_adapter`` that wraps new modules."""
+    for module in peft_model.modules():
+        if not isinstance(module, peft.tuners.lora.LoraLayer) or isinstance(module, ParallelLoraLinear):
+            continue
+        base = module.get_base_layer()
+        for hooks, flags, register_hook in ((base._forward_pre_hooks, base._forward_pre_hooks_with_kwargs,
+                                             module.register_forward_pre_hook),
+                                            (base._forward_hooks, base._forward_hooks_with_kwargs,
+                                             module.register_forward_hook)):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "tpmap_entry", None) is None:
+                    continue
+                register_hook(hook, with_kwargs=key in flags)
+                del hooks[key]
+                flags.pop(key, None)
+    return peft_model
 
 
 def _adapter_tensors(peft_model):
@@ -264,17 +326,14 @@ def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default"
         raise FileNotFoundError(f"{file}: no adapter_model.safetensors (tpmap.peft reads safetensors adapters)")
     config.inference_mode = not is_trainable
     prepare(model)
-    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    had_config = "peft_config" in vars(model)
+    before = _Before(model)
     peft_model = peft.PeftModel(model, register(config), adapter_name)
     try:
+        _refuse_split_parameters(peft_model, before.names, getattr(model, PLAN_ATTR))
         _load_slices(peft_model, file, adapter_name)
+        take_over_entry_hooks(peft_model)
     except BaseException:  # the model as it was: its own modules, requires_grad flags and attributes back
-        peft_model.base_model.unload()
-        for name, p in model.named_parameters():
-            p.requires_grad_(trainable[name])
-        if not had_config:
-            vars(model).pop("peft_config", None)
+        before.restore(peft_model)
         raise
     return peft_model
 
