@@ -108,6 +108,13 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         opt.step()
     stepped = forward(full_peft)
     report["stepped_rel"] = ((stepped - forward(sharded_peft)).abs().max() / stepped.abs().max()).item()
+    report["generate_same"] = None
+    if class_name.endswith("ForCausalLM"):  # greedy tokens of the stepped adapters, unpadded prompts
+        prompt = inputs["input_ids"][:, :5]
+        kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(prompt))
+        report["generate_same"] = torch.equal(full_peft.generate(input_ids=prompt, **kw),
+                                              sharded_peft.generate(input_ids=prompt, **kw))
     # a second adapter beside the first (add_adapter with a config PEFT did not see registered: the layers are
     # already tpmap's), switched to and back with set_adapter
     second = LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
@@ -127,7 +134,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     for model in (full_peft, sharded_peft):
         model.set_adapter("default")
     # saved from the sharded model: a standard, full-size adapter that plain PEFT loads on the unsharded base
-    tpmap.peft.save_pretrained(sharded_peft, folder)
+    tpmap.save_pretrained(sharded_peft, folder)  # (delegated to tpmap.peft.save_pretrained)
     want = forward(full_peft)
     if rank == 0:
         from peft import PeftModel

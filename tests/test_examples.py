@@ -48,6 +48,44 @@ def test_train_example_matches_one_rank_and_saves_a_standard_checkpoint(tmp_path
     assert max((tp2[k] - tp1[k]).abs().max().item() for k in tp1) < 1e-3
 
 
+def test_finetune_lora_example_matches_one_rank_and_saves_an_adapter_plain_peft_loads(tmp_path):
+    """2 ranks train the same adapters as 1 (dropout 0, both from one fresh adapter that 2 ranks drew and saved);
+    the saved folder is a standard, full-size adapter: plain PEFT on the unsharded base computes the loss that 2
+    ranks continuing from it (--adapter) print."""
+    pytest.importorskip("peft")
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tpmap.verify import tiny_config
+
+    fresh = ("finetune_lora.py", "--model-type", "llama", "--steps", "0", "--dropout", "0", "--save")
+    torchrun(2, *fresh, str(tmp_path / "init"))
+    run = ("finetune_lora.py", "--model-type", "llama", "--adapter", str(tmp_path / "init"), "--steps", "4", "--save")
+    out2 = torchrun(2, *run, str(tmp_path / "tp2"))
+    out1 = torchrun(1, *run, str(tmp_path / "tp1"))
+    losses2 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out2)]
+    losses1 = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out1)]
+    assert len(losses2) == 4 and losses2[-1] < losses2[0]  # it trains
+    assert losses2 == pytest.approx(losses1, abs=2e-4)  # printed with 4 decimals
+    tp2 = load_file(tmp_path / "tp2" / "adapter_model.safetensors")
+    tp1 = load_file(tmp_path / "tp1" / "adapter_model.safetensors")
+    assert tp2.keys() == tp1.keys() and len(tp2) == 2 * 7 * tiny_config("llama").num_hidden_layers
+    assert all(tp2[k].shape == tp1[k].shape for k in tp1)  # full size, whatever the world size
+    assert max((tp2[k] - tp1[k]).abs().max().item() for k in tp1) < 1e-3  # AdamW on rounding noise
+    # plain PEFT, unsharded, on the example's base and batch
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    batch = torch.randint(0, base.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = PeftModel.from_pretrained(base, tmp_path / "tp2")(input_ids=batch, labels=batch).loss.item()
+    resumed = torchrun(2, "finetune_lora.py", "--model-type", "llama", "--steps", "1",
+                       "--adapter", str(tmp_path / "tp2"))
+    assert float(re.findall(r"loss (\d+\.\d+)", resumed)[0]) == pytest.approx(plain, abs=2e-4)
+    assert plain < losses2[-1]  # the saved adapters are the trained ones, after the last step
+
+
 def test_2d_example_dp2_tp2_matches_one_rank_and_saves_from_one_replica(tmp_path):
     """4 ranks as (dp 2, tp 2), each replica on half the batch, train like 1 rank on the whole batch."""
     from transformers import AutoModelForCausalLM

@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("tpmap.peft needs PEFT: pip install 'tpmap[peft]'") from e
 
 from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
+from tpmap.checkpoint.save import delegate_saving
 from tpmap.engine.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import all_reduced, full_tensor, sum_over_holders, take
@@ -205,8 +206,17 @@ def register(config):
     return config
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether tpmap sharded `model` (tpmap.apply returns a model unchanged at world size 1)."""
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    return getattr(base, PLAN_ATTR, None) is not None
+
+
 def get_peft_model(model: nn.Module, config, adapter_name: str = "default", **kwargs):
-    """peft.get_peft_model on a tpmap-sharded model: adapters on its Column and Row layers (see the module)."""
+    """peft.get_peft_model on a tpmap-sharded model: adapters on its Column and Row layers (see the module).
+    On a model tpmap left unsharded (world size 1), plain peft.get_peft_model."""
+    if not _sharded(model):
+        return peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
     prepare(model)
     before = _Before(model)
     peft_model = peft.get_peft_model(model, register(config), adapter_name=adapter_name, **kwargs)
@@ -287,25 +297,26 @@ def _adapter_tensors(peft_model):
 
 
 def _group(peft_model):
-    layers = [m for m in peft_model.modules() if isinstance(m, ParallelLoraLinear)]
-    if not layers:
-        raise ValueError("tpmap.peft: the model has no LoRA layer on a tpmap Column or Row")
-    return layers[0].get_base_layer().tp_group
+    """The group the base model was sharded over (None: the default group)."""
+    return getattr(peft_model.get_base_model(), GROUP_ATTR, None)
 
 
 def save_pretrained(peft_model, save_directory, **kwargs) -> None:
     """Write a standard PEFT adapter (adapter_config.json, adapter_model.safetensors with full-size tensors)
     from the group's rank 0; plain PEFT loads it on an unsharded base. A collective: call it on every rank.
-    ``kwargs`` go to PeftModel.save_pretrained (selected_adapters, safe_serialization, ...)."""
+    ``kwargs`` go to PeftModel.save_pretrained (selected_adapters, safe_serialization, ...). Also what
+    ``tpmap.save_pretrained(peft_model, ...)`` does."""
+    initialized = dist.is_available() and dist.is_initialized()
     group = _group(peft_model)
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(group) if initialized else 0
     full = {name: full_tensor(t, shard, group, dst=0) if shard is not None else t.detach()
             for name, _, _, t, shard in _adapter_tensors(peft_model)}
     if rank == 0:
         state = peft_model.state_dict()
         state.update(full)
         peft_model.save_pretrained(save_directory, state_dict=state, **kwargs)
-    dist.barrier(group=group)
+    if initialized:
+        dist.barrier(group=group)
 
 
 def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default", is_trainable: bool = False):
@@ -324,6 +335,9 @@ def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default"
     file = Path(adapter_dir) / "adapter_model.safetensors"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no adapter_model.safetensors (tpmap.peft reads safetensors adapters)")
+    if not _sharded(model):  # world size 1: tpmap.apply left the model as it was
+        return peft.PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=adapter_name,
+                                              is_trainable=is_trainable)
     config.inference_mode = not is_trainable
     prepare(model)
     before = _Before(model)
@@ -341,7 +355,7 @@ def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default"
 def _load_slices(peft_model, file, adapter_name: str) -> None:
     from safetensors import safe_open
 
-    rank = dist.get_rank(_group(peft_model))
+    rank = dist.get_rank(_group(peft_model))  # (a sharded model: torch.distributed is initialized)
     wanted = [(key, tensor, shard) for _, adapter, key, tensor, shard in _adapter_tensors(peft_model)
               if adapter == adapter_name]
     with safe_open(str(file), framework="pt") as f:
@@ -370,3 +384,6 @@ def _load_slices(peft_model, file, adapter_name: str) -> None:
                         local = torch.cat([local, local.new_zeros(pad, local.shape[1])])
                 assert tuple(local.shape) == tuple(tensor.shape), (key, local.shape, tensor.shape)
                 tensor.copy_(local)
+
+
+delegate_saving(lambda model: isinstance(model, peft.PeftModel), save_pretrained)  # tpmap.save_pretrained(peft_model)

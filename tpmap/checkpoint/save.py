@@ -30,6 +30,14 @@ from tpmap.checkpoint.safetensors import (
 from tpmap.engine.shard import full_tensor
 
 _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process")
+# (predicate, save) pairs from optional integrations: tpmap.peft saves a PeftModel as an adapter folder
+_DELEGATES: list = []
+
+
+def delegate_saving(predicate, save) -> None:
+    """Let `save(model, save_directory, **kwargs)` write the models for which `predicate(model)` holds (an
+    optional integration registers itself at import: tpmap.peft for PEFT models)."""
+    _DELEGATES.append((predicate, save))
 
 
 def save_pretrained(model: nn.Module, save_directory, *, group=None, **hf_kwargs) -> None:
@@ -40,8 +48,16 @@ def save_pretrained(model: nn.Module, save_directory, *, group=None, **hf_kwargs
     in one data-parallel replica only (e.g. ``if dp_rank == 0``), or every replica writes the same files.
     ``hf_kwargs``: ``max_shard_size`` (default ``"50GB"``, as transformers), ``variant``, ``save_original_format``
     (default True: revert load-time weight conversions, as transformers). The folder loads with plain
-    ``AutoModel...from_pretrained`` and with `tpmap.from_pretrained` at any world size.
+    ``AutoModel...from_pretrained`` and with `tpmap.from_pretrained` at any world size. A PEFT model made by
+    `tpmap.peft` is saved as PEFT saves it, an adapter folder with full-size tensors (`tpmap.peft.save_pretrained`).
     """
+    for predicate, save in _DELEGATES:
+        if predicate(model):
+            if group is not None:
+                raise TypeError("tpmap.save_pretrained: group= is not taken for this model (it saves over the group "
+                                "its layers were sharded over)")
+            save(model, save_directory, **hf_kwargs)
+            return
     unknown = sorted(set(hf_kwargs) - set(_TAKES))
     if unknown:
         raise TypeError(f"tpmap.save_pretrained does not take {', '.join(unknown)}; it takes {', '.join(_TAKES)}")
