@@ -228,3 +228,73 @@ def expert_target_case() -> dict:
     except NotImplementedError as e:
         message = str(e)
     return {"message": message, "untouched": state() == before}
+
+
+def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
+    """LoRA on a (dp=2, tp=2) mesh: tpmap over tp, DDP (or FSDP2: "fsdp") over dp, each dp replica on its half
+    of a batch, only the adapters training; against unsharded PEFT stepped on the whole batch (fp64, SGD).
+    Returns the worst relative difference of the adapters' updates (this rank's slice of each) and whether
+    any base parameter moved."""
+    import data_parallel_cases
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = data_parallel_cases.mesh_2x2()
+    dp_rank, tp_rank, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), mesh["tp"].size()
+    full = data_parallel_cases.build("llama", "LlamaForCausalLM", {}, torch.float64)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"])
+    plan = sharded.tpmap_plan
+    splits = slicing_reference.splits(full, tpmap.load_mapping(full), plan, tp)
+    reverse = {m.name + ".weight": m.reverse for m in plan.modules}
+
+    def config():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+
+    torch.manual_seed(1)
+    full_peft = unsharded_peft_model(full, config())
+    sharded_peft = tpmap.peft.get_peft_model(sharded, config())
+    full_named = dict(full_peft.named_parameters())
+    with torch.no_grad():
+        for name, p in sharded_peft.named_parameters():
+            if LORA in name:
+                base, which = _base_name(name)
+                p.copy_(_reference_slice(full_named[name].detach(), which, splits.get(base), reverse.get(base, False),
+                                         tp, tp_rank))
+    before = {n: p.detach().clone() for n, p in sharded_peft.named_parameters()}
+    full_before = {n: p.detach().clone() for n, p in full_peft.named_parameters()}
+    gen = torch.Generator().manual_seed(3)
+    batch = torch.randint(3, full.config.vocab_size, (4, 12), generator=gen)
+    half = batch[2 * dp_rank: 2 * dp_rank + 2]  # (2, 12): this dp replica's share
+    if wrap == "ddp":
+        wrapped = DDP(sharded_peft, process_group=mesh["dp"].get_group())
+    else:
+        from torch.distributed.fsdp import fully_shard
+        wrapped = fully_shard(sharded_peft, mesh=mesh["dp"])
+
+    def loss_of(model, ids):  # fp64 all through
+        logits = model(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    opt = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.1)
+    opt_full = torch.optim.SGD([p for p in full_peft.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(steps):
+        for model, optimizer, ids in ((wrapped, opt, half), (full_peft, opt_full, batch)):
+            optimizer.zero_grad()
+            loss_of(model, ids).backward()  # mean over this half; DDP/FSDP average the halves' grads
+            optimizer.step()
+    worst, worst_name, base_moved, adapters = 0.0, "", False, 0
+    for name, p in sharded_peft.named_parameters():
+        local = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: the dp shards gathered back
+        if LORA not in name:
+            base_moved |= not torch.equal(local.detach(), before[name])
+            continue
+        base, which = _base_name(name)
+        want_step = _reference_slice(full_named[name].detach() - full_before[name], which, splits.get(base),
+                                     reverse.get(base, False), tp, tp_rank)
+        got_step = local.detach() - before[name]
+        rel = ((got_step - want_step).abs().max() / want_step.abs().max().clamp_min(1e-30)).item()
+        adapters += 1
+        if rel > worst:
+            worst, worst_name = rel, name
+    return {"worst_rel": worst, "worst_name": worst_name, "base_moved": base_moved, "adapters": adapters,
+            "dp": dp_rank, "tp": tp_rank}

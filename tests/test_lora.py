@@ -106,3 +106,17 @@ def test_lora_on_split_expert_tensors_is_refused_and_leaves_the_model_as_it_was(
     for r in ranks(2).run(lora_cases.expert_target_case):
         assert r["message"] is not None and "mlp.experts." in r["message"] and "Param entry" in r["message"], r
         assert r["untouched"], r
+
+
+@pytest.mark.full  # 4 ranks
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_lora_under_data_parallelism_equals_unsharded_peft_on_the_whole_batch(ranks, wrap):
+    """tpmap over tp, DDP or FSDP2 over dp (2 x 2): two SGD steps of the adapters equal unsharded PEFT's on the
+    whole batch; the frozen base does not move."""
+    import lora_cases
+
+    results = ranks(4).run(lora_cases.dp_tp_lora_case, wrap)
+    assert [(r["dp"], r["tp"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in results:
+        assert r["adapters"] > 0 and not r["base_moved"], r
+        assert r["worst_rel"] <= 1e-6, r
