@@ -19,16 +19,23 @@ LORA = "lora_"
 
 
 def _base_name(lora_name: str) -> tuple[str, str]:
-    """'base_model.model.X.lora_A.default.weight' -> ('X.weight', 'A')."""
+    """'base_model.model.X.lora_A.default.weight' -> ('X.weight', 'A'); a ``modules_to_save`` copy's
+    'base_model.model.X.modules_to_save.default.weight' -> ('X.weight', 'M')."""
+    if ".modules_to_save." in lora_name:
+        head, _, tail = lora_name.partition(".modules_to_save.")
+        return f"{head.removeprefix('base_model.model.')}.{tail.partition('.')[2]}", "M"
     head, _, tail = lora_name.partition(".lora_")
     return head.removeprefix("base_model.model.") + ".weight", tail[0]
 
 
 def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, rank: int) -> torch.Tensor:
     """This rank's part of a full-size adapter tensor, cut by the base weight's reference split. A weight is
-    (out, in), a Conv1D's (in, out): a Column splits out (B's rows), a Row in (A's columns), the other whole."""
+    (out, in), a Conv1D's (in, out): a Column splits out (B's rows), a Row in (A's columns), the other whole.
+    A ``modules_to_save`` copy ("M") is cut like the tensor it copies."""
     if split is None or split.dim is None:
         return full_tensor
+    if which == "M":
+        return split.local(full_tensor, ws, rank)
     column = split.dim == (1 if reverse else 0)
     if (which == "B") != column:
         return full_tensor
@@ -38,7 +45,7 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
 
 
 def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
-              dtype=torch.float64) -> dict:
+              dtype=torch.float64, modules_to_save: list[str] | None = None) -> dict:
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
@@ -52,7 +59,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     reverse = {m.name + ".weight": m.reverse for m in plan.modules}
 
     def config():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
+                          modules_to_save=modules_to_save)
 
     pristine = copy.deepcopy(full)  # (get_peft_model wraps `full` in place)
     torch.manual_seed(1)  # init_lora_weights=False: A and B random, so every term of the math is exercised
@@ -62,7 +70,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0}
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
-            if LORA not in name:
+            if LORA not in name and ".modules_to_save." not in name:
                 continue
             base, which = _base_name(name)
             # a fresh adapter: whole tensors equal on every rank
@@ -142,8 +150,9 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
 
         with safe_open(f"{folder}/adapter_model.safetensors", framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        expected = {n.replace(".default.", "."): tuple(p.shape) for n, p in full_named.items()
-                    if LORA in n and ".second." not in n}  # (saved in its own folder, second/)
+        expected = {n.replace(".default.", ".").replace(".modules_to_save.", "."): tuple(p.shape)
+                    for n, p in full_named.items()  # (the second adapter is saved in its own folder, second/)
+                    if (LORA in n or ".modules_to_save." in n) and ".second." not in n}
         report["file_shapes_ok"] = shapes == expected
         plain = PeftModel.from_pretrained(copy.deepcopy(pristine), folder)
         report["saved_rel"] = ((forward(plain) - want).abs().max() / want.abs().max()).item()

@@ -33,7 +33,7 @@ FAMILIES = {
     "falcon": ("FalconForCausalLM", NEOX),
     "mixtral": ("MixtralForCausalLM", ATTN),
     "qwen3_moe": ("Qwen3MoeForCausalLM", ATTN),
-    "mistral": ("MistralForCausalLM", LLAMA_LIKE),
+    "mistral": ("MistralForCausalLM", LLAMA_LIKE, ["lm_head"]),  # a trained copy of the vocab-parallel head
     "qwen2": ("Qwen2ForCausalLM", LLAMA_LIKE),
     "gemma2": ("Gemma2ForCausalLM", LLAMA_LIKE),
     "gpt_neox": ("GPTNeoXForCausalLM", NEOX),
@@ -55,24 +55,25 @@ FP32 = ("llama", "gpt2", "phi3", "deepseek_v3", "bert")
 
 
 def _cases():
-    for ref, (cls, targets) in FAMILIES.items():
+    for ref, (cls, targets, *to_save) in FAMILIES.items():
         for dtype in (torch.float64, torch.float32):
             if dtype == torch.float32 and ref not in FP32:
                 continue
             for ws in (2, 3, 4):
                 default = ref == "gpt2" and ws == 2 and dtype == torch.float64
-                yield pytest.param(ref, cls, targets, ws, dtype, id=f"{ref}-ws{ws}-{str(dtype)[6:]}",
+                yield pytest.param(ref, cls, targets, to_save[0] if to_save else None, ws, dtype,
+                                   id=f"{ref}-ws{ws}-{str(dtype)[6:]}",
                                    marks=() if default else pytest.mark.full)
 
 
-@pytest.mark.parametrize("ref,cls,targets,ws,dtype", _cases())
-def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, ws, dtype, tmp_path):
+@pytest.mark.parametrize("ref,cls,targets,modules_to_save,ws,dtype", _cases())
+def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, modules_to_save, ws, dtype, tmp_path):
     import lora_cases
 
     from tpmap import verify
 
     index = next(i for i, v in enumerate(verify.resolve(ref).mapping.verify) if ws in v.world_sizes and cls in v.models)
-    per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, cls, targets, str(tmp_path), dtype)
+    per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, cls, targets, str(tmp_path), dtype, modules_to_save)
     for rank, r in enumerate(per_rank):
         assert r["adapters"] == r["trainable"] > 0 and r["split"] > 0, (rank, r)
         assert r["fresh_whole_differs"] == 0, ("a whole adapter tensor differs across ranks at init", rank, r)

@@ -284,16 +284,29 @@ def take_over_entry_hooks(peft_model):
 
 
 def _adapter_tensors(peft_model):
-    """(parameter name, file key, tensor, ParamShard or None) of every LoRA A and B: the file key is PEFT's
-    (the adapter name dropped), the shard says how a ParallelLoraLinear's tensor is split (None: whole)."""
+    """(parameter name, adapter, file key, tensor, ParamShard or None) of every LoRA A and B and every tensor of
+    a ``modules_to_save`` copy: the file key is PEFT's (the adapter name dropped), the shard says how this rank's
+    tensor is split (None: whole): a ParallelLoraLinear's A or B, or a copy of a sharded module, split like it."""
+    plan = getattr(peft_model.get_base_model(), PLAN_ATTR, None)
+    split = plan.params if plan is not None else {}
     for module_name, module in peft_model.named_modules():
-        if not isinstance(module, peft.tuners.lora.LoraLayer):
-            continue
-        for which, container in (("A", module.lora_A), ("B", module.lora_B)):
-            for adapter, linear in container.items():
-                shard = module.adapter_shard(which, adapter) if isinstance(module, ParallelLoraLinear) else None
-                yield (f"{module_name}.lora_{which}.{adapter}.weight", adapter, f"{module_name}.lora_{which}.weight",
-                       linear.weight, shard)
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            for which, container in (("A", module.lora_A), ("B", module.lora_B)):
+                for adapter, linear in container.items():
+                    shard = module.adapter_shard(which, adapter) if isinstance(module, ParallelLoraLinear) else None
+                    yield (f"{module_name}.lora_{which}.{adapter}.weight", adapter,
+                           f"{module_name}.lora_{which}.weight", linear.weight, shard)
+        elif isinstance(module, peft.utils.other.ModulesToSaveWrapper):
+            base_name = module_name.removeprefix("base_model.model.")  # the name in the sharded model's plan
+            for adapter in module.modules_to_save:
+                for file_suffix, loaded_suffix in module.adapter_state_dict_load_map(adapter).items():
+                    yield (f"{module_name}.{loaded_suffix}", adapter, f"{module_name}.{file_suffix}",
+                           functools.reduce(getattr, loaded_suffix.split("."), module),
+                           split.get(f"{base_name}.{file_suffix}"))
+
+
+def _split(shard: ParamShard | None) -> bool:
+    return shard is not None and shard.dim is not None
 
 
 def _group(peft_model):
@@ -309,7 +322,7 @@ def save_pretrained(peft_model, save_directory, **kwargs) -> None:
     initialized = dist.is_available() and dist.is_initialized()
     group = _group(peft_model)
     rank = dist.get_rank(group) if initialized else 0
-    full = {name: full_tensor(t, shard, group, dst=0) if shard is not None else t.detach()
+    full = {name: full_tensor(t, shard, group, dst=0) if _split(shard) else t.detach()
             for name, _, _, t, shard in _adapter_tensors(peft_model)}
     if rank == 0:
         state = peft_model.state_dict()
@@ -361,7 +374,7 @@ def _load_slices(peft_model, file, adapter_name: str) -> None:
     with safe_open(str(file), framework="pt") as f:
         keys = set(f.keys())
         for key, tensor, shard in wanted:  # every check first, from the header: the same on every rank
-            full = tuple(tensor.shape) if shard is None else shard.full_shape
+            full = shard.full_shape if _split(shard) else tuple(tensor.shape)
             if key not in keys:
                 raise ValueError(f"{file}: no tensor {key!r} for the adapter's {full} weight; was it saved for "
                                  "another model or target_modules?")
@@ -372,7 +385,7 @@ def _load_slices(peft_model, file, adapter_name: str) -> None:
                                  "adapter_config.json's r / rank_pattern)")
         with torch.no_grad():
             for key, tensor, shard in wanted:
-                if shard is None:
+                if not _split(shard):
                     local = f.get_tensor(key)
                 else:  # only this rank's ranges are read
                     cut = f.get_slice(key)
@@ -381,7 +394,7 @@ def _load_slices(peft_model, file, adapter_name: str) -> None:
                     local = torch.cat(parts, dim=shard.dim)
                     pad = (shard.local_size or 0) - local.shape[shard.dim]
                     if pad > 0:  # a vocabulary's padded rows
-                        local = torch.cat([local, local.new_zeros(pad, local.shape[1])])
+                        local = torch.cat([local, local.new_zeros(pad, *local.shape[1:])])
                 assert tuple(local.shape) == tuple(tensor.shape), (key, local.shape, tensor.shape)
                 tensor.copy_(local)
 
