@@ -176,6 +176,7 @@ class VocabParallelEmbedding(nn.Embedding):
         new.vocab_start, new.vocab_end = vocab_start, vocab_end
         pad = source.padding_idx
         new.padding_idx = pad - vocab_start if pad is not None and vocab_start <= pad < vocab_end else None
+        new.full_padding_idx = pad  # in the full vocabulary (a whole adapter's lookup: tpmap.peft)
         return new
 
     def forward(self, ids):  # (B, T) -> (B, T, H)

@@ -131,7 +131,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     full_named = dict(full_peft.named_parameters())
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
-            if ".second." in name:
+            if ".second." in name or name.endswith(".second"):  # (an embedding LoRA: a bare Parameter)
                 base, which = _base_name(name)
                 p.copy_(_reference_slice(full_named[name].detach(), which, splits.get(base),
                                          reverse.get(base, False), ws, rank))
@@ -146,14 +146,20 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     want = forward(full_peft)
     if rank == 0:
         from peft import PeftModel
-        from safetensors import safe_open
+        from safetensors.torch import load_file
 
-        with safe_open(f"{folder}/adapter_model.safetensors", framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        expected = {n.replace(".default.", ".").replace(".modules_to_save.", "."): tuple(p.shape)
-                    for n, p in full_named.items()  # (the second adapter is saved in its own folder, second/)
-                    if (LORA in n or ".modules_to_save." in n) and ".second." not in n}
-        report["file_shapes_ok"] = shapes == expected
+        # the file unsharded PEFT writes for the same (stepped) adapter: the same names, shapes and values
+        full_peft.save_pretrained(f"{folder}/unsharded", selected_adapters=["default"])
+        got, expected = (load_file(f"{f}/adapter_model.safetensors") for f in (folder, f"{folder}/unsharded"))
+        # (PEFT adds a targeted LM head's frozen base weight only where the head is an nn.Linear: not tpmap's)
+        expected = {k: t for k, t in expected.items() if "lm_head.base_layer." not in k}
+        report["file_shapes_ok"] = {k: tuple(t.shape) for k, t in got.items()} == {
+            k: tuple(t.shape) for k, t in expected.items()}
+        report["file_rel"] = max(((got[k] - t).abs().max() / t.abs().max().clamp_min(1e-30)).item()
+                                 for k, t in expected.items()) if report["file_shapes_ok"] else float("inf")
+        report["file_diff"] = {k: (tuple(got[k].shape) if k in got else None, tuple(t.shape) if t is not None else None)
+                               for k, t in {**dict.fromkeys(got), **expected}.items()
+                               if k not in got or k not in expected or got[k].shape != t.shape}  # (for the message)
         plain = PeftModel.from_pretrained(copy.deepcopy(pristine), folder)
         report["saved_rel"] = ((forward(plain) - want).abs().max() / want.abs().max()).item()
     # and loaded onto a fresh sharded model, each rank reading its slices

@@ -32,6 +32,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 try:
@@ -42,7 +43,12 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
 
 from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.checkpoint.save import delegate_saving
-from tpmap.engine.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
+from tpmap.engine.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
 from tpmap.engine.plan import ParamShard
 from tpmap.engine.shard import all_reduced, full_tensor, sum_over_holders, take
 
@@ -160,6 +166,26 @@ class ParallelLoraLinear(_LoraLinear):
         return out.to(dtype)
 
 
+class ParallelLoraEmbedding(peft.tuners.lora.Embedding):
+    """PEFT's embedding LoRA on a vocabulary-parallel embedding. A (r, V) and B (H, r) stay whole on every rank:
+    the term s * B A[ids] is added to the embedding's all-reduced output, the same on every rank, so its gradients
+    are too. A looks up ids in the full vocabulary (the full padding_idx, not the shard's local one), and a
+    merge adds this rank's rows of the full delta (padded like the weight) to the local weight."""
+
+    def get_delta_weight(self, adapter) -> torch.Tensor:  # (V_pad/ws, H): this rank's rows
+        base = self.get_base_layer()
+        full = super().get_delta_weight(adapter)  # (V, H)
+        return take(full, base.__dict__[SHARD_ATTR], dist.get_rank(base.tp_group))
+
+    def _embed(self, input, weight, input_fn=None, output_fn=None):
+        base = self.get_base_layer()
+        if input_fn is not None:
+            input = input_fn((input,))
+        output = F.embedding(input, weight, padding_idx=base.full_padding_idx, max_norm=base.max_norm,
+                             norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq, sparse=base.sparse)
+        return output if output_fn is None else output_fn(output)
+
+
 def _on_gradient(linear: nn.Linear, hook) -> None:
     """`hook` on the gradient of linear.weight, now if it trains, else at its first forward that trains
     (an adapter loaded for inference may be made trainable later); once per parameter object."""
@@ -189,7 +215,7 @@ def prepare(model: nn.Module) -> nn.Module:
     group = getattr(base, GROUP_ATTR, None)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     for ms in plan.modules:
-        if ms.style in ("column", "row", "vocab_head"):
+        if ms.style in ("column", "row", "vocab_head", "vocab_embedding"):
             module = base.get_submodule(ms.name)
             if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):
                 module = module.get_base_layer()
@@ -201,8 +227,9 @@ def prepare(model: nn.Module) -> nn.Module:
 def register(config):
     """`config` (a peft LoraConfig) with ParallelLoraLinear registered for tpmap's Column and Row layers and
     its vocabulary-parallel LM head (a Column over the vocabulary: B's rows padded like the head's)."""
-    config._register_custom_module(dict.fromkeys((ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead),
-                                                 ParallelLoraLinear))
+    config._register_custom_module({**dict.fromkeys((ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead),
+                                                    ParallelLoraLinear),
+                                    VocabParallelEmbedding: ParallelLoraEmbedding})
     return config
 
 
@@ -296,6 +323,10 @@ def _adapter_tensors(peft_model):
                     shard = module.adapter_shard(which, adapter) if isinstance(module, ParallelLoraLinear) else None
                     yield (f"{module_name}.lora_{which}.{adapter}.weight", adapter,
                            f"{module_name}.lora_{which}.weight", linear.weight, shard)
+            for which, params in (("A", module.lora_embedding_A), ("B", module.lora_embedding_B)):
+                for adapter, param in params.items():  # an embedding's LoRA (PEFT's own layer: whole)
+                    yield (f"{module_name}.lora_embedding_{which}.{adapter}", adapter,
+                           f"{module_name}.lora_embedding_{which}", param, None)
         elif isinstance(module, peft.utils.other.ModulesToSaveWrapper):
             base_name = module_name.removeprefix("base_model.model.")  # the name in the sharded model's plan
             for adapter in module.modules_to_save:
@@ -322,14 +353,37 @@ def save_pretrained(peft_model, save_directory, **kwargs) -> None:
     initialized = dist.is_available() and dist.is_initialized()
     group = _group(peft_model)
     rank = dist.get_rank(group) if initialized else 0
+    tensors = list(_adapter_tensors(peft_model)) + list(_embedding_tensors(peft_model, kwargs))
     full = {name: full_tensor(t, shard, group, dst=0) if _split(shard) else t.detach()
-            for name, _, _, t, shard in _adapter_tensors(peft_model)}
+            for name, _, _, t, shard in tensors}
     if rank == 0:
         state = peft_model.state_dict()
         state.update(full)
         peft_model.save_pretrained(save_directory, state_dict=state, **kwargs)
     if initialized:
         dist.barrier(group=group)
+
+
+def _embedding_tensors(peft_model, kwargs):
+    """The input and output embeddings' own tensors where PEFT saves them beside the adapters (its
+    ``save_embedding_layers``: True, or "auto" with an embedding layer among the targets), with their shards:
+    a vocabulary-parallel embedding or head holds only its rows here, and the file needs the whole tensor."""
+    save = kwargs.get("save_embedding_layers", "auto")
+    targets = {t for c in peft_model.peft_config.values() for t in (getattr(c, "target_modules", None) or ())}
+    if not (save is True or (save == "auto" and not isinstance(targets, str)
+                             and targets & set(peft.utils.other.EMBEDDING_LAYER_NAMES))):
+        return
+    base = peft_model.get_base_model()
+    plan = getattr(base, PLAN_ATTR, None)
+    if plan is None:
+        return
+    layers = {id(m.get_base_layer() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) else m)
+              for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None}
+    for module_name, module in peft_model.named_modules():
+        if id(module) in layers:
+            plan_name = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
+            for name, param in module.named_parameters(recurse=False):
+                yield (f"{module_name}.{name}", None, None, param, plan.params.get(f"{plan_name}.{name}"))
 
 
 def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default", is_trainable: bool = False):
