@@ -27,6 +27,7 @@ training forward skips the swap, nothing being drawn inside. `DropoutWatch` tell
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -104,6 +105,32 @@ def _leave() -> None:
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, device)
     _state.saved = None
+
+
+@contextlib.contextmanager
+def replicated_draws():
+    """Draw from the default stream even inside a sharded region: for randomness applied to a replicated
+    tensor there (a LoRA adapter's dropout on the input of k_proj, which runs after q_proj has opened the
+    region), which must be the same on every rank. Outside a region it does nothing; inside, the region's
+    generator state is set aside, the default stream's state (saved on entering) is used and saved back as
+    advanced, and the region's state is restored."""
+    saved = getattr(_state, "saved", None)
+    if saved is None:
+        yield
+        return
+    cpu_state, device, cuda_state = saved
+    cuda = cuda_state is not None
+    region = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+    torch.set_rng_state(cpu_state)
+    if cuda:
+        torch.cuda.set_rng_state(cuda_state, device)
+    try:
+        yield
+    finally:
+        _state.saved = (torch.get_rng_state(), device, torch.cuda.get_rng_state(device) if cuda else None)
+        torch.set_rng_state(region[0])
+        if cuda:
+            torch.cuda.set_rng_state(region[1], device)
 
 
 class RegionGuard:

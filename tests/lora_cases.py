@@ -313,3 +313,26 @@ def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
             worst, worst_name = rel, name
     return {"worst_rel": worst, "worst_name": worst_name, "base_moved": base_moved, "adapters": adapters,
             "dp": dp_rank, "tp": tp_rank}
+
+
+def lora_dropout_case() -> dict:
+    """LoRA dropout in training mode follows the RNG regions: the masks on a Column's replicated input (q, k, v:
+    k and v run after q has opened the sharded region) are the same on every rank, the masks on a Row's split
+    input (o_proj) differ, and the replicated output is the same on every rank."""
+    ws = dist.get_world_size()
+    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws)
+    model = tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                          lora_dropout=0.5, init_lora_weights=False))
+    masks = {}
+    for name, module in model.named_modules():
+        if name.endswith("lora_dropout.default") and ".layers.0." in name:
+            module.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(
+                name.split(".")[-3], (out == 0) & (args[0] != 0)))
+    torch.manual_seed(3)  # the same on every rank, as a training script seeds
+    logits = model.train()(input_ids=torch.arange(16).view(2, 8) % 200).logits
+    report = {}
+    for key, value in {**masks, "logits": logits.detach()}.items():
+        everyone = [torch.empty_like(value) for _ in range(ws)]
+        dist.all_gather(everyone, value.contiguous())
+        report[key] = all(torch.equal(everyone[0], v) for v in everyone[1:])
+    return report

@@ -122,3 +122,10 @@ def test_lora_under_data_parallelism_equals_unsharded_peft_on_the_whole_batch(ra
     for r in results:
         assert r["adapters"] > 0 and not r["base_moved"], r
         assert r["worst_rel"] <= 1e-6, r
+
+
+def test_lora_dropout_masks_follow_the_rng_regions(ranks):
+    import lora_cases
+
+    for r in ranks(2).run(lora_cases.lora_dropout_case):
+        assert r == {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": False, "logits": True}, r

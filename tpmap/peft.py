@@ -27,6 +27,7 @@ parallelism, mixed-adapter batches, DoRA and other LoRA variants: each is refuse
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 
@@ -43,6 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
 
 from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.checkpoint.save import delegate_saving
+from tpmap.engine import rng
 from tpmap.engine.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -157,11 +159,17 @@ class ParallelLoraLinear(_LoraLinear):
             del layer.__dict__["adapter_delta"]
 
     def _delta(self, active: list[str], dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
-        """sum over active adapters of s * drop(x) A^T B^T, on this rank's slices: (..., out_local)."""
+        """sum over active adapters of s * drop(x) A^T B^T, on this rank's slices: (..., out_local). A Column's
+        x is replicated: its dropout mask comes from the default stream, the same on every rank, even when an
+        earlier Column of the block has opened the sharded region (rng.replicated_draws); a Row's x is this
+        rank's slice: its mask is drawn in the region, rank-specific, as the base layer's dropout there."""
+        column = self._split()[0]
         out = None
         for name in active:
             a, b = self.lora_A[name], self.lora_B[name]
-            term = b(a(self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype)))) * self.scaling[name]
+            with rng.replicated_draws() if column else contextlib.nullcontext():
+                dropped = self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype))
+            term = b(a(dropped)) * self.scaling[name]
             out = term if out is None else out + term
         return out.to(dtype)
 
