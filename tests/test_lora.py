@@ -34,7 +34,8 @@ FAMILIES = {
     "mixtral": ("MixtralForCausalLM", ATTN),
     "qwen3_moe": ("Qwen3MoeForCausalLM", ATTN),
     "mistral": ("MistralForCausalLM", LLAMA_LIKE, ["lm_head"]),  # a trained copy of the vocab-parallel head
-    "qwen2": ("Qwen2ForCausalLM", LLAMA_LIKE + ["embed_tokens"]),  # PEFT's embedding LoRA on the vocab-parallel one
+    # PEFT's embedding LoRA on the vocabulary-parallel embedding; target_modules as a regular expression
+    "qwen2": ("Qwen2ForCausalLM", r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens)"),
     "gemma2": ("Gemma2ForCausalLM", LLAMA_LIKE),
     "gpt_neox": ("GPTNeoXForCausalLM", NEOX),
     "bloom": ("BloomForCausalLM", NEOX),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import zlib
 
 import torch
@@ -377,9 +378,7 @@ def _embedding_tensors(peft_model, kwargs):
     ``save_embedding_layers``: True, or "auto" with an embedding layer among the targets), with their shards:
     a vocabulary-parallel embedding or head holds only its rows here, and the file needs the whole tensor."""
     save = kwargs.get("save_embedding_layers", "auto")
-    targets = {t for c in peft_model.peft_config.values() for t in (getattr(c, "target_modules", None) or ())}
-    if not (save is True or (save == "auto" and not isinstance(targets, str)
-                             and targets & set(peft.utils.other.EMBEDDING_LAYER_NAMES))):
+    if not (save is True or (save == "auto" and _embedding_targeted(peft_model))):
         return
     base = peft_model.get_base_model()
     plan = getattr(base, PLAN_ATTR, None)
@@ -392,6 +391,21 @@ def _embedding_tensors(peft_model, kwargs):
             plan_name = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
             for name, param in module.named_parameters(recurse=False):
                 yield (f"{module_name}.{name}", None, None, param, plan.params.get(f"{plan_name}.{name}"))
+
+
+def _embedding_targeted(peft_model) -> bool:
+    """PEFT's "auto" rule: an embedding layer name (embed_tokens, lm_head, ...) among an adapter's target_modules,
+    a list of names or a regular expression matched against the module names."""
+    names = peft.utils.other.EMBEDDING_LAYER_NAMES
+    for config in peft_model.peft_config.values():
+        targets = getattr(config, "target_modules", None) or ()
+        if isinstance(targets, str):
+            modules = [n for n, _ in peft_model.get_base_model().named_modules()]
+            if any(re.fullmatch(targets, n) for n in modules if any(re.match(rf"(.*\.)?{e}$", n) for e in names)):
+                return True
+        elif set(targets) & set(names):
+            return True
+    return False
 
 
 def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default", is_trainable: bool = False):
