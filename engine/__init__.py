@@ -5,6 +5,7 @@ It reads the mapping language (`tpmap.spec`), torch and transformers, and nothin
 * `planner`       -- mapping + model structure -> a `plan.Plan` (checks everything, touches no tensor)
 * `plan`          -- the plan's data: what every rank holds and does
 * `pieces`        -- which (start, length) ranges of a split dim each rank holds
+* `quant_blocks`  -- weights quantized in blocks: shard boundaries that would cut a block
 * `shard`         -- execute a plan on one rank (slice tensors, swap modules, set attributes, hooks)
 * `layers`        -- the parallel modules (Column/Row linear, Column and vocab-parallel embedding, norms)
 * `collectives`   -- autograd collectives in Megatron's named forward/backward pairs

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpmap.compat import check_transformers, mapping_applies
-from tpmap.engine import planner, shard
+from tpmap.engine import planner, quant_blocks, shard
 from tpmap.engine.plan import Plan
 from tpmap.engine.sequence import install_sequence_parallel
 from tpmap.engine.sequence_plan import SequencePlan, plan_sequence_parallel
@@ -19,12 +19,15 @@ from tpmap.guards import check_generate_arguments, input_check
 from tpmap.loss_parallel import use_loss_parallel
 from tpmap.spec.errors import (
     AlreadyAppliedError,
+    DivisibilityError,
     LossParallelError,
     MappingError,
     MetaDeviceError,
     PartialMappingWarning,
     ProcessGroupError,
+    TpmapError,
     TransformersVersionError,
+    UnsupportedConfigError,
 )
 from tpmap.spec.schema import Mapping
 from tpmap.spec.source import LoadedMapping, SourceMap, for_model_type, load_file
@@ -158,12 +161,59 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                               "they hold no values to slice. Load the weights first (from_pretrained, or "
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
     plan = planner.build_plan(model, loaded, tp_size)
+    check_quantization_blocks(model, loaded, plan)
+    check_quantized_slicing(model, plan)
     check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None  # may raise SequenceParallelError
     if tp_size == 1:
         return model
     return apply_plan(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
                       sequence=sequence)
+
+
+def check_quantization_blocks(model: nn.Module, loaded: LoadedMapping, plan: Plan) -> None:
+    """A weight quantized in blocks (per-group scales: `engine.quant_blocks`) whose block a shard boundary cuts is
+    refused before anything changes, naming the tensor, the block and the world sizes up to 16 that work."""
+    bad = quant_blocks.misaligned(model, plan)
+    if not bad:
+        return
+
+    def works(ws: int) -> bool:
+        try:
+            return not quant_blocks.misaligned(model, planner.build_plan(model, loaded, ws))
+        except TpmapError:  # (heads that the world size does not divide, ...)
+            return False
+
+    first = bad[0]
+    fine = [ws for ws in range(1, 17) if works(ws)]
+    raise DivisibilityError(
+        f"{first.name} is quantized in blocks of {first.block} along dim {first.dim}, and at world size "
+        f"{plan.tp_size} a shard boundary falls at {first.boundary}, inside a block "
+        f"({len(bad)} tensor{'s' if len(bad) > 1 else ''} alike). World sizes that work: "
+        f"{', '.join(map(str, fine))}; or quantize with blocks that divide each rank's share (smaller groups)")
+
+
+def check_quantized_slicing(model: nn.Module, plan: Plan) -> None:
+    """A quantized tensor subclass (torchao's) is sliced by its own operations; one whose slice takes an
+    operation it does not implement (several pieces per rank, fused sections: a concatenation) is refused
+    before anything changes. Tried on every rank's slice of each such tensor, so that every rank decides alike
+    (ranks can differ in their number of pieces)."""
+    for ps in plan.params.values():
+        tensor = quant_blocks.tensor_of(model, ps.name)
+        if ps.dim is None or not hasattr(tensor, "__tensor_flatten__"):
+            continue
+        for rank in range(plan.tp_size):
+            try:
+                shard.take(tensor, ps, rank)
+            except NotImplementedError as e:
+                pieces = len(ps.pieces[rank])
+                how = (f"{pieces} pieces on rank {rank} (fused sections or heads)" if pieces > 1 else
+                       f"rows zero-padded to {ps.local_size} on rank {rank} (an uneven vocabulary)"
+                       if ps.local_size else f"one piece on rank {rank}")
+                raise UnsupportedConfigError(
+                    f"{ps.name} is a quantized {type(tensor).__name__} that this mapping splits in {how}, and the "
+                    f"slice needs an operation the tensor type does not implement ({str(e).splitlines()[0][:160]}); "
+                    "leave this layer out of the quantization (quantize_'s filter_fn)") from e
 
 
 def check_loss_parallel(plan: Plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:

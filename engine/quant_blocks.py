@@ -1,0 +1,51 @@
+"""Weights quantized in blocks: every shard boundary must fall on a block boundary.
+
+A quantized tensor that records its quantization blocks as ``block_size`` (one length per dim: one scale, and
+zero point, per block; torchao's quantized tensor subclasses do) is sliced with its scales by its own
+indexing. Along a split dim, a block that spans the whole dim (per-channel scales: ``block_size`` (1, in)
+for a Row's weight split along in) keeps one scale for every slice, so any cut is exact. A shorter block
+(per-group scales, e.g. groups of 32 input features) must not straddle a boundary: each rank's pieces must
+start and end on multiples of the block length. `misaligned` finds the tensors of a plan where they do not,
+before anything is changed; tpmap.apply refuses them, listing the world sizes that work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tpmap.engine.plan import Plan
+
+
+@dataclass(frozen=True)
+class Misaligned:
+    name: str  # the tensor's full name
+    dim: int  # its split dim
+    block: int  # the block length along it
+    boundary: int  # the first shard boundary inside a block (a full-tensor index along dim)
+
+
+def tensor_of(model: nn.Module, name: str):
+    """The parameter or buffer `name` of `model` (None if absent)."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, attr, None)
+
+
+def misaligned(model: nn.Module, plan: Plan) -> list[Misaligned]:
+    """The split tensors of `plan` quantized in blocks that a shard boundary cuts (none for unquantized models)."""
+    out = []
+    for shard in plan.params.values():
+        if shard.dim is None:
+            continue
+        tensor = tensor_of(model, shard.name)
+        blocks = getattr(tensor, "block_size", None)
+        if blocks is None or len(blocks) != len(shard.full_shape):
+            continue
+        block = int(blocks[shard.dim])
+        if block <= 1 or block >= shard.full_shape[shard.dim]:  # element-wise, or one block along the dim
+            continue
+        cuts = sorted({edge for pieces in shard.pieces for start, n in pieces for edge in (start, start + n)})
+        bad = [edge for edge in cuts if edge % block and edge != shard.full_shape[shard.dim]]
+        if bad:
+            out.append(Misaligned(shard.name, shard.dim, block, bad[0]))
+    return out

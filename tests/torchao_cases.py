@@ -1,0 +1,65 @@
+"""torchao-quantized models sharded by tpmap.apply, on real ranks (run by tests/test_torchao.py): the unsharded
+quantized model is the reference, built in the same run; the sharded model's quantized tensors are checked
+against the plan's local shapes."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import tpmap
+from tpmap import verify
+
+
+def _config(scheme: str):
+    import torchao.quantization as q
+
+    return {"int8_weight_only": lambda: q.Int8WeightOnlyConfig(),
+            "int8_weight_only_group16": lambda: q.Int8WeightOnlyConfig(granularity=q.PerGroup(16)),
+            "float8_weight_only": lambda: q.Float8WeightOnlyConfig(),
+            "int8_dynamic_activation": lambda: q.Int8DynamicActivationInt8WeightConfig()}[scheme]()
+
+
+def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """Every nn.Linear but the LM head (the output embeddings), as torchao's quantize_ is usually called."""
+    from torchao.quantization import quantize_
+
+    head = model.get_output_embeddings()
+    quantize_(model, _config(scheme), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and m is not head)
+    return model
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor, a quantized tensor subclass counted by its inner tensors (data, scales, zero points)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(nbytes(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor))
+    return t.numel() * t.element_size()
+
+
+def torchao_case(ref: str, verify_index: int, class_name: str, scheme: str) -> dict:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    full = quantize(verify.build_model(ref, verify_index, class_name), scheme)
+    inputs = verify.case_inputs(ref, verify_index, full)
+    with torch.no_grad():
+        want = verify.main_output(full(**inputs))
+    quantized = {n for n, p in full.named_parameters() if hasattr(p, "__tensor_flatten__")}
+    full_bytes = sum(nbytes(p) for n, p in full.named_parameters() if n in quantized)
+    model = copy.deepcopy(full)
+    try:
+        sharded = tpmap.apply(model, ws, mapping=verify.resolve(ref))
+    except tpmap.TpmapError as e:  # and the model as it was
+        untouched = [(n, type(m)) for n, m in model.named_modules()] == [(n, type(m)) for n, m in full.named_modules()]
+        return {"refused": f"{type(e).__name__}: {e}", "untouched": untouched and all(
+            p.shape == q.shape for p, q in zip(model.parameters(), full.parameters(), strict=True))}
+    with torch.no_grad():
+        got = verify.main_output(sharded(**inputs))
+    plan = sharded.tpmap_plan.params
+    local = dict(sharded.named_parameters())
+    shapes_ok = all(tuple(local[n].shape) == plan[n].local_shape(rank) for n in quantized if n in plan)
+    return {"refused": None, "rel": ((got - want).abs().max() / want.abs().max()).item(),
+            "quantized": len(quantized), "split": sum(1 for n in quantized if n in plan and plan[n].dim is not None),
+            "still_quantized": sum(1 for n in quantized if hasattr(local[n], "__tensor_flatten__")),
+            "shapes_ok": shapes_ok, "full_bytes": full_bytes,
+            "rank_bytes": sum(nbytes(local[n]) for n in quantized)}
