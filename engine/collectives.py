@@ -34,16 +34,38 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from tpmap.engine import shm as shm_path
+
 
 def _world(group) -> int:
     return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
 
 
+def _shm(t: torch.Tensor, group) -> shm_path.ShmGroup | None:
+    """The shared-memory path for this call (engine.shm), or None for torch.distributed. Decided per group
+    at its first collective (a collective itself), then a dict lookup."""
+    return shm_path.for_group(group) if t.device.type == "cpu" else None
+
+
+@torch._dynamo.assume_constant_result
+def _shm_handle(group) -> int:
+    """Under torch.compile: the group's shared-memory handle if it was chosen eagerly (tpmap.apply decides),
+    else -1; a constant of the traced graph."""
+    shm = shm_path.chosen(group)
+    return shm.handle if shm is not None else -1
+
+
 def _all_reduce(t: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
     """The sum over the group, a new tensor unless `fresh` (t is a temporary nobody else reads: summed in place)."""
     if torch.compiler.is_compiling():
+        handle = _shm_handle(group) if t.device.type == "cpu" else -1
+        if handle >= 0:
+            return torch.ops.tpmap.shm_all_reduce(t, handle)
         return funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD)
     t = t.contiguous() if fresh else t.contiguous().clone()
+    shm = _shm(t, group)
+    if shm is not None:
+        return shm_path.all_reduce(t, shm)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
@@ -52,11 +74,29 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """(..., F/ws) -> (..., ws * F/ws), rank-major along the last dim."""
     ws = dist.get_world_size(group)
     if torch.compiler.is_compiling():
-        stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
+        handle = _shm_handle(group) if x.device.type == "cpu" else -1
+        if handle >= 0:
+            stacked = torch.ops.tpmap.shm_all_gather(x, handle, ws)
+        else:
+            stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
         return torch.cat(stacked.chunk(ws, dim=0), dim=-1)  # (ws * B, ..., F/ws) -> (B, ..., ws * F/ws)
+    x = x.contiguous()
+    shm = _shm(x, group)
+    if shm is not None:
+        stacked = shm_path.all_gather(x.new_empty((ws, *x.shape)), x, shm)  # (ws, ..., F/ws)
+        return torch.cat(stacked.unbind(0), dim=-1)
     parts = [torch.empty_like(x) for _ in range(ws)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place sum over the group of a contiguous tensor no one else reads (a gradient hook's copy)."""
+    shm = _shm(t, group)
+    if shm is not None:
+        return shm_path.all_reduce(t, shm)
+    dist.all_reduce(t, group=group)
+    return t
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -127,16 +167,30 @@ _REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatte
 def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., n, ..) at `dim` -> (.., ws * n, ..), rank-major."""
     first = x.movedim(dim, 0).contiguous()  # (n, ...): each rank's chunk one block of memory
-    out = first.new_empty((dist.get_world_size(group) * first.shape[0], *first.shape[1:]))
-    getattr(dist, _ALL_GATHER_SINGLE)(out, first, group=group)
+    ws = dist.get_world_size(group)
+    if torch.compiler.is_compiling() and (handle := _shm_handle(group) if x.device.type == "cpu" else -1) >= 0:
+        return torch.ops.tpmap.shm_all_gather(first, handle, ws).movedim(0, dim).contiguous()
+    out = first.new_empty((ws * first.shape[0], *first.shape[1:]))
+    shm = None if torch.compiler.is_compiling() else _shm(x, group)
+    if shm is not None:
+        shm_path.all_gather_into_tensor(out, first, shm)
+    else:
+        getattr(dist, _ALL_GATHER_SINGLE)(out, first, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., ws * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
     first = x.movedim(dim, 0).contiguous()
-    out = first.new_empty((first.shape[0] // dist.get_world_size(group), *first.shape[1:]))
-    getattr(dist, _REDUCE_SCATTER_SINGLE)(out, first, group=group)
+    ws = dist.get_world_size(group)
+    if torch.compiler.is_compiling() and (handle := _shm_handle(group) if x.device.type == "cpu" else -1) >= 0:
+        return torch.ops.tpmap.shm_reduce_scatter(first, handle, ws).movedim(0, dim).contiguous()
+    out = first.new_empty((first.shape[0] // ws, *first.shape[1:]))
+    shm = None if torch.compiler.is_compiling() else _shm(x, group)
+    if shm is not None:
+        shm_path.reduce_scatter_tensor(out, first, shm)
+    else:
+        getattr(dist, _REDUCE_SCATTER_SINGLE)(out, first, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -271,6 +325,11 @@ _FUNCOL_COUNTED = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather"
                    "reduce_scatter_tensor": "reduce_scatter_tensor"}  # functional name -> counted as
 
 
+# engine.shm's eager calls -> counted as the torch.distributed collective they replace
+_SHM_COUNTED = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+                "all_gather_into_tensor": "all_gather_into_tensor", "reduce_scatter_tensor": "reduce_scatter_tensor"}
+
+
 class CollectiveCounts(Counter):
     """Calls per collective name; ``.bytes`` holds, per name, the bytes this rank sent in (the input
     tensor's size: for an all-gather, this rank's part)."""
@@ -298,6 +357,7 @@ def counting_collectives():
     counts = CollectiveCounts()
     originals = [(dist, name, n) for name, n in _COUNTED.items() if hasattr(dist, name)]
     originals += [(funcol, f, n) for f, n in _FUNCOL_COUNTED.items()]
+    originals += [(shm_path, f, n) for f, n in _SHM_COUNTED.items()]
     saved = [(module, name, getattr(module, name)) for module, name, _ in originals]
 
     def counted(name, fn):

@@ -17,6 +17,7 @@ from torch import nn
 from tpmap.engine import rng
 from tpmap.engine.collectives import (
     _all_gather_along,
+    all_reduce_,
     copy_to_tp_region,
     gather_from_sequence_region,
     reduce_scatter_to_sequence_region,
@@ -318,9 +319,7 @@ class SequenceState:
         split = self._split[stack] if self._task == task and stack in self._split else self._active.get(stack, False)
         if not split:
             return grad
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=self.group)
-        return grad
+        return all_reduce_(grad.contiguous().clone(), self.group)
 
 
 def _device(module: nn.Module) -> torch.device:

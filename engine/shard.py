@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap.engine import rng
-from tpmap.engine.collectives import SharedCopy, copy_to_tp_region, reduce_from_tp_region
+from tpmap.engine.collectives import SharedCopy, all_reduce_, copy_to_tp_region, reduce_from_tp_region
 from tpmap.engine.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -345,14 +345,12 @@ def _on_gradient(model: nn.Module, name: str, hook) -> None:
 
 
 def all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
-    grad = grad.contiguous().clone()
-    dist.all_reduce(grad, group=group)
-    return grad
+    return all_reduce_(grad.contiguous().clone(), group)
 
 
 def sum_over_holders(grad: torch.Tensor, shard: ParamShard, index: torch.Tensor, group) -> torch.Tensor:
     full = grad.new_zeros(shard.full_shape)
     index = index.to(grad.device)  # the model may have moved to another device after apply
     full.index_copy_(shard.dim, index, grad)
-    dist.all_reduce(full, group=group)
+    all_reduce_(full, group)
     return full.index_select(shard.dim, index)

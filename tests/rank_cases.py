@@ -524,24 +524,17 @@ def mismatched_main_input_case(ref: str, verify_index: int, class_name: str) -> 
 
 
 def backward_all_reduce_count(ref: str, class_name: str) -> dict:
-    """How many all-reduces one backward pass issues (the real collective, counted on the way through)."""
+    """How many all-reduces one backward pass issues (the real collective, counted on the way through, on
+    torch.distributed or the shared-memory path alike)."""
+    from tpmap.engine.collectives import counting_collectives
+
     ws = dist.get_world_size()
     model = tpmap.apply(verify.build_model(ref, 0, class_name), ws)
     inputs, _ = loss_kwargs(model, verify.case_inputs(ref, 0, model))
     loss = model(**inputs).loss
-    calls = []
-    real = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        calls.append(tuple(tensor.shape))
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with counting_collectives() as counts:
         loss.backward()
-    finally:
-        dist.all_reduce = real
-    return {"calls": len(calls), "layers": model.config.num_hidden_layers}
+    return {"calls": counts["all_reduce"], "layers": model.config.num_hidden_layers}
 
 
 def post_apply_invariants(ref: str, class_name: str) -> dict:

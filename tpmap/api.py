@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpmap.compat import check_transformers, mapping_applies
-from tpmap.engine import planner, quant_blocks, shard
+from tpmap.engine import planner, quant_blocks, shard, shm
 from tpmap.engine.plan import Plan
 from tpmap.engine.sequence import install_sequence_parallel
 from tpmap.engine.sequence_plan import SequencePlan, plan_sequence_parallel
@@ -230,6 +230,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_rank: int, group, *, loss_parall
     """Execute a checked plan on `model` for this rank and attach what a tensor-parallel model carries (the
     plan, loss_parallel, the input check). `read` gives each split tensor's local part (default: sliced
     from the model's own tensor; `tpmap.from_pretrained` reads it from the checkpoint)."""
+    if plan.tp_size > 1:  # the collectives' path, decided now on every rank (TPMAP_SHM=1 that cannot: raised here)
+        shm.for_group(group)
     warn_partial = bool(plan.kept_whole) and tp_rank == 0
     params_full = sum(p.numel() for p in model.parameters()) if warn_partial else 0
     shard.execute(model, plan, tp_rank, group, **({} if read is None else {"read": read}))

@@ -1,0 +1,383 @@
+"""A same-host fast path for CPU collectives: all-reduce, all-gather and reduce-scatter through shared
+memory instead of gloo's loopback TCP (the technique of DeepSpeed's shm all-reduce and vLLM's CPU backend).
+
+On two CPU ranks a gloo all-reduce of a few KiB costs 0.4-0.8 ms, all of it latency; a decode step makes
+~25 of them. Here each rank copies its tensor into its own slot of one shared segment, posts a sequence
+number, waits until every peer has posted it, and reads the peers' slots directly.
+
+    segment: | header: per rank (64-byte line) posted seq, pid | buffer 0: ws slots | buffer 1: ws slots |
+
+* **Sums in rank order.** Every rank computes ((slot 0 + slot 1) + slot 2) + ... for every element, so all
+  ranks hold bit-identical results. At world size 2 that is gloo's result bit for bit (a + b == b + a); at
+  3 and more, gloo's ring adds in another order, so results differ from gloo's by float rounding only.
+* **Double buffering.** Collective s writes buffer s % 2. A rank posts s only after finishing s - 1, and
+  reaches s only after every peer posted s - 1, i.e. finished reading s - 2 = the buffer it now overwrites.
+  Messages larger than a slot go in slot-sized chunks, one sequence number each.
+* **Bounded waits.** A wait spins, then yields the CPU (ranks may outnumber cores), then sleeps in short
+  steps; past the first millisecond it checks every 10 ms whether the peers it waits for are alive (their
+  pids, from the header) and raises `ShmPeerError` naming a dead one at once, or every missing rank after
+  `TPMAP_SHM_TIMEOUT` seconds (default: the process group's timeout).
+* **Nothing left behind.** The segment is a `memfd` (no name in /dev/shm): the peers open it through
+  /proc/<pid of the group's first rank>/fd and the kernel frees it when the last rank exits, crash or not.
+* **Chosen per group, the same way on every rank** (`for_group`, collective on the group's first use):
+  only for gloo groups whose ranks share one host (hostname, boot id and pid namespace), on x86-64 (whose
+  store order makes "copy, then post" visible in that order to the peers without fences). `TPMAP_SHM=0`
+  turns it off, `TPMAP_SHM=1` demands it (`ShmUnavailableError` saying why where it cannot run), unset
+  (auto) uses it wherever it can. Several groups (dp x tp) each get their own segment.
+
+Under torch.compile the collectives are the custom ops `tpmap::shm_all_reduce`, `tpmap::shm_all_gather` and
+`tpmap::shm_reduce_scatter` (traced as single graph nodes, no graph break), keyed by the group's handle.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+HEADER = 4096  # per rank, one 64-byte line of int64: posted seq, pid, bytes posted in buffer 0, in buffer 1
+LINE = 64
+DEFAULT_SLOT_BYTES = 8 << 20  # per rank and buffer; larger messages go in chunks
+SPINS = 2000  # polls before yielding the CPU
+YIELD_S = 1e-3  # then yield until this long, then sleep in steps
+SLEEP_S = 50e-6
+CHECK_S = 0.01  # how often a long wait checks the peers' pids and the deadline
+
+
+class ShmUnavailableError(RuntimeError):
+    """TPMAP_SHM=1 where the shared-memory path cannot run (the reason is in the message)."""
+
+
+class ShmPeerError(RuntimeError):
+    """A peer died or did not arrive within the timeout (named in the message)."""
+
+
+class ShmMismatchError(RuntimeError):
+    """Ranks posted different sizes to one collective: they are out of step (gloo raises on it too)."""
+
+
+def _mode() -> str:
+    value = os.environ.get("TPMAP_SHM", "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value in ("1", "on", "true", "yes", "force"):
+        return "force"
+    if value in ("", "auto"):
+        return "auto"
+    raise ValueError(f"TPMAP_SHM={value!r}: use 1 (force the shared-memory collectives), 0 (off) or auto")
+
+
+def host_identity() -> str:
+    """Ranks with the same identity can share memory: one kernel (boot id), one pid namespace (the peers
+    are found and watched by pid), one host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return f"{socket.gethostname()}:{os.getpid()}"  # unknown: never equal to another process's
+    return f"{socket.gethostname()}:{boot}:{pidns}"
+
+
+def _local_obstacle() -> str | None:
+    """Why this process cannot use the path (None: it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return (f"the CPU is {platform.machine()}, not x86-64: posting after the copy needs x86's store "
+                f"order (no fences from Python)")
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return "no memfd_create or /proc (Linux only)"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
+
+
+def _timeout(group) -> float:
+    """TPMAP_SHM_TIMEOUT, else the group's own collective timeout (init_process_group's `timeout`)."""
+    if "TPMAP_SHM_TIMEOUT" in os.environ:
+        return float(os.environ["TPMAP_SHM_TIMEOUT"])
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # torch internals that may move: the default bound then
+        return 1800.0
+
+
+class ShmGroup:
+    """The shared segment of one process group and the collectives over it. Calls must come in the same
+    order on every rank, as for any collective."""
+
+    def __init__(self, fd: int, rank: int, ws: int, ranks: list[int], pids: list[int], slot_bytes: int,
+                 timeout: float):
+        self.group_ranks, self.rank, self.ws, self.pids = ranks, rank, ws, pids
+        self.slot_bytes, self.timeout = slot_bytes, timeout
+        self.handle = -1  # index in _HANDLES once chosen
+        self._map = mmap.mmap(fd, HEADER + 2 * ws * slot_bytes)  # the mapping keeps the memfd alive
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._words = memoryview(self._map)[:HEADER].cast("q")  # int64 words of the header
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._words[self._line(rank) + 1] = os.getpid()
+
+    @staticmethod
+    def _line(r: int) -> int:
+        return r * (LINE // 8)
+
+    def _slot(self, buffer: int, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        start = HEADER + (buffer * self.ws + r) * self.slot_bytes
+        return self._bytes[start : start + nbytes].view(dtype)
+
+    def _post(self, seq: int) -> None:
+        self._words[self._line(self.rank)] = seq  # after the copy: x86 keeps the stores in order
+
+    def _wait(self, seq: int) -> None:
+        words, line = self._words, self._line
+        waiting = [r for r in range(self.ws) if r != self.rank and words[line(r)] < seq]
+        spins, start, checked = 0, 0.0, 0.0
+        while waiting:
+            waiting = [r for r in waiting if words[line(r)] < seq]
+            if not waiting:
+                return
+            spins += 1
+            if spins < SPINS:
+                continue
+            now = time.monotonic()
+            if not start:
+                start = checked = now
+            elif now - start < YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(SLEEP_S)
+                if now - checked >= CHECK_S:
+                    checked = now
+                    self._check(waiting, now - start)
+
+    def _check(self, waiting: list[int], waited: float) -> None:
+        dead = [r for r in waiting if not _alive(self.pids[r])]
+        if dead:
+            raise ShmPeerError(", ".join(f"rank {self.group_ranks[r]} (pid {self.pids[r]})" for r in dead)
+                               + f" died during a shared-memory collective (rank {self.group_ranks[self.rank]} "
+                               f"waited {waited:.1f} s for it)")
+        if waited > self.timeout:
+            raise ShmPeerError(f"ranks {[self.group_ranks[r] for r in waiting]} did not reach a shared-memory "
+                               f"collective within {self.timeout:g} s (TPMAP_SHM_TIMEOUT); rank "
+                               f"{self.group_ranks[self.rank]} waited for them")
+
+    def _exchange(self, mine: torch.Tensor, read) -> None:
+        """Put `mine` (flat, at most a slot) in this rank's slot, wait for every peer's, then `read(slots)`."""
+        self._seq += 1
+        buffer = self._seq % 2
+        nbytes = mine.numel() * mine.element_size()
+        self._slot(buffer, self.rank, nbytes, mine.dtype).copy_(mine)
+        words, line = self._words, self._line
+        words[line(self.rank) + 2 + buffer] = nbytes
+        self._post(self._seq)
+        self._wait(self._seq)
+        sizes = [words[line(r) + 2 + buffer] for r in range(self.ws)]
+        if any(n != nbytes for n in sizes):
+            raise ShmMismatchError(
+                f"ranks {self.group_ranks} posted {sizes} bytes to one shared-memory collective (number "
+                f"{self._seq} of the group): they called different collectives or shapes, out of step")
+        read([self._slot(buffer, r, nbytes, mine.dtype) for r in range(self.ws)])
+
+    def _elements(self, t: torch.Tensor, parts: int = 1) -> int:
+        return max(1, self.slot_bytes // (t.element_size() * parts))
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the group in place (t contiguous): rank order, the same bits on every rank."""
+        flat = t.view(-1)
+        step = self._elements(t)
+        with self._lock:
+            for i in range(0, flat.numel(), step):
+                out = flat[i : i + step]
+
+                def read(slots, out=out):
+                    torch.add(slots[0], slots[1], out=out)
+                    for s in slots[2:]:
+                        out.add_(s)
+                self._exchange(out, read)
+        return t
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out (ws * n elements, contiguous) <- every rank's t (n elements), rank-major."""
+        flat, rows = t.reshape(-1), out.view(self.ws, -1)  # (n,), (ws, n)
+        step = self._elements(t)
+        with self._lock:
+            for i in range(0, flat.numel(), step):
+                def read(slots, i=i):
+                    for r, s in enumerate(slots):
+                        rows[r, i : i + s.numel()].copy_(s)
+                self._exchange(flat[i : i + step], read)
+        return out
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out (n elements) <- the sum over ranks of chunk `rank` of every rank's t (ws * n elements)."""
+        rows, dst = t.reshape(self.ws, -1), out.view(-1)  # (ws, n), (n,)
+        step = self._elements(t, self.ws)
+        with self._lock:
+            for i in range(0, dst.numel(), step):
+                part = rows[:, i : i + step].contiguous()  # (ws, k): chunk i of every destination
+                k = part.shape[1]
+
+                def read(slots, i=i, k=k):
+                    mine = [s.view(self.ws, k)[self.rank] for s in slots]
+                    target = dst[i : i + k]
+                    torch.add(mine[0], mine[1], out=target)
+                    for s in mine[2:]:
+                        target.add_(s)
+                self._exchange(part.view(-1), read)
+        return out
+
+
+_GROUPS: dict = {}  # process group -> ShmGroup | None, decided at the group's first use
+_HANDLES: list[ShmGroup] = []  # handle -> group, for the custom ops
+
+
+def _group_key(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def chosen(group) -> ShmGroup | None:
+    """The group's ShmGroup if it was set up and chosen, else None; never communicates."""
+    return _GROUPS.get(_group_key(group))
+
+
+def for_group(group) -> ShmGroup | None:
+    """The group's ShmGroup, deciding on first use (collective over the group: every rank of it must call
+    this at the same point, as it does at its first collective), or None where gloo stays the path."""
+    key = _group_key(group)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    _GROUPS[key] = shm = _setup(group)
+    return shm
+
+
+def _setup(group) -> ShmGroup | None:
+    mode = _mode()
+    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    backend = dist.get_backend(group)
+    obstacle = _local_obstacle() if mode != "off" else "TPMAP_SHM=0"
+    if obstacle is None and backend != "gloo":
+        obstacle = f"the group's backend is {backend}, not gloo"
+    fd = None
+    if obstacle is None and rank == 0:
+        slot_bytes = int(os.environ.get("TPMAP_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+        try:
+            fd = os.memfd_create("tpmap-shm", os.MFD_CLOEXEC)
+            os.ftruncate(fd, HEADER + 2 * ws * slot_bytes)
+        except OSError as e:
+            obstacle = f"memfd_create failed: {e}"
+    mine = dict(mode=mode, obstacle=obstacle, host=host_identity(), pid=os.getpid(), fd=fd,
+                slot_bytes=int(os.environ.get("TPMAP_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES)))
+    everyone: list = [None] * ws
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(ws))
+    reason = _reason(everyone, ranks, ws)
+    shm = None
+    if reason is None:
+        first = everyone[0]
+        opened = None
+        try:
+            if rank != 0:  # the peers open rank 0's memfd, which stays open until all of them have mapped it
+                fd = os.open(f"/proc/{first['pid']}/fd/{first['fd']}", os.O_RDWR)
+            shm = ShmGroup(fd, rank, ws, ranks, [e["pid"] for e in everyone], first["slot_bytes"], _timeout(group))
+        except OSError as e:
+            opened = f"rank {ranks[rank]} could not map the segment: {e}"
+        outcomes: list = [None] * ws
+        dist.all_gather_object(outcomes, opened, group=group)  # every rank mapped (or failed) before any closes
+        failed = [o for o in outcomes if o]
+        reason = failed[0] if failed else None
+    if fd is not None:
+        os.close(fd)
+    if reason is None:
+        _HANDLES.append(shm)
+        shm.handle = len(_HANDLES) - 1
+        return shm
+    if any(e["mode"] == "force" for e in everyone):
+        raise ShmUnavailableError(f"TPMAP_SHM=1 but the shared-memory collectives cannot run for the group of "
+                                  f"ranks {ranks}: {reason}. Unset TPMAP_SHM (or set it to 0) to use "
+                                  f"torch.distributed")
+    return None
+
+
+def _reason(everyone: list[dict], ranks: list[int], ws: int) -> str | None:
+    """Why the group cannot use shared memory (the same answer on every rank), None if it can."""
+    if ws == 1:
+        return "a group of one rank has nothing to share"
+    for r, e in enumerate(everyone):
+        if e["obstacle"]:
+            return f"rank {ranks[r]}: {e['obstacle']}"
+    hosts = sorted({e["host"] for e in everyone})
+    if len(hosts) > 1:
+        by_host = {h: [ranks[r] for r, e in enumerate(everyone) if e["host"] == h] for h in hosts}
+        return "its ranks are on different hosts: " + "; ".join(f"{v} on {h.split(':')[0]}"
+                                                               for h, v in by_host.items())
+    if len({e["slot_bytes"] for e in everyone}) > 1:
+        return "TPMAP_SHM_SLOT_BYTES differs between ranks"
+    return None
+
+
+# Counted by engine.collectives.counting_collectives under the torch.distributed names they replace.
+def all_reduce(t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
+    return shm.all_reduce_(t)
+
+
+def all_gather(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
+    """(the feature all-gather; counted as torch.distributed's list all_gather)"""
+    return shm.all_gather_into(out, t)
+
+
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
+    return shm.all_gather_into(out, t)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
+    return shm.reduce_scatter_into(out, t)
+
+
+# Graph-safe custom ops for torch.compile: out of place, the group by its handle.
+@torch.library.custom_op("tpmap::shm_all_reduce", mutates_args=())
+def shm_all_reduce_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _HANDLES[handle].all_reduce_(x.contiguous().clone())
+
+
+@shm_all_reduce_op.register_fake
+def _(x, handle):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tpmap::shm_all_gather", mutates_args=())
+def shm_all_gather_op(x: torch.Tensor, handle: int, ws: int) -> torch.Tensor:
+    """(n0, ...) -> (ws * n0, ...), rank-major along dim 0 (funcol.all_gather_tensor's layout)."""
+    x = x.contiguous()
+    out = x.new_empty((ws * x.shape[0], *x.shape[1:]))
+    return _HANDLES[handle].all_gather_into(out, x)
+
+
+@shm_all_gather_op.register_fake
+def _(x, handle, ws):
+    return x.new_empty((ws * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("tpmap::shm_reduce_scatter", mutates_args=())
+def shm_reduce_scatter_op(x: torch.Tensor, handle: int, ws: int) -> torch.Tensor:
+    """(ws * n0, ...) summed over ranks -> this rank's chunk (n0, ...) along dim 0."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+    return _HANDLES[handle].reduce_scatter_into(out, x)
+
+
+@shm_reduce_scatter_op.register_fake
+def _(x, handle, ws):
+    return x.new_empty((x.shape[0] // ws, *x.shape[1:]))
