@@ -92,17 +92,58 @@ class Timer:
         return self.gathered[key][skip:]
 
 
+_GLOO_GROUP: list = []  # one group over every rank that stays on torch.distributed (TPMAP_SHM=0 at its first use)
+
+
+def gloo_group():
+    """A process group over all ranks whose tpmap collectives stay on gloo, to time beside the default path."""
+    import torch.distributed as dist
+
+    from tpmap.engine import shm
+
+    if not _GLOO_GROUP:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        before = os.environ.get("TPMAP_SHM")
+        os.environ["TPMAP_SHM"] = "0"
+        shm.for_group(group)
+        if before is None:
+            del os.environ["TPMAP_SHM"]
+        else:
+            os.environ["TPMAP_SHM"] = before
+        _GLOO_GROUP.append(group)
+    return _GLOO_GROUP[0]
+
+
+def deepspeed_autotp(cls, folder: str, world_size: int):
+    """DeepSpeed's AutoTP (inference) on the unsharded model, with its shared-memory all-reduce on CPU
+    (`deepspeed_shm_comm`, built at first use; it reads LOCAL_SIZE, which the deepspeed launcher sets)."""
+    import deepspeed
+    import torch
+
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = deepspeed.init_inference(cls.from_pretrained(folder).eval(), tensor_parallel={"tp_size": world_size},
+                                      dtype=torch.float32, replace_with_kernel_inject=False)
+    return engine.module
+
+
 def load_variants(name: str, folder: str, world_size: int, device, with_hf: bool,
-                  compile_backend: str | None = None) -> dict:
+                  compile_backend: str | None = None, with_deepspeed: bool = False) -> dict:
     import torch
     import transformers
 
     import tpmap
+    from tpmap.engine import shm
 
     _, cls_name, _ = MODELS[name]
     cls = getattr(transformers, cls_name)
     variants = {"unsharded": cls.from_pretrained(folder).to(device).eval()}
     variants["tpmap"] = tpmap.from_pretrained(folder, model_class=cls_name, device=device).eval()
+    if shm.chosen(None) is not None:  # the default path is shared memory: time gloo beside it
+        variants["tpmap_gloo"] = tpmap.from_pretrained(folder, model_class=cls_name, device=device,
+                                                       group=gloo_group()).eval()
+    if with_deepspeed:
+        variants["deepspeed"] = deepspeed_autotp(cls, folder, world_size)
     if with_hf:
         config = transformers.DistributedConfig(tp_size=world_size)
         variants["hf_tp"] = cls.from_pretrained(folder, distributed_config=config).eval()
@@ -121,7 +162,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     model_type, cls_name, _ = MODELS[name]
     ws = dist.get_world_size()
     with_hf = bool(getattr(transformers.AutoConfig.for_model(model_type), "base_model_tp_plan", None))
-    variants = load_variants(name, folder, ws, device, with_hf, args.compile)
+    variants = load_variants(name, folder, ws, device, with_hf, args.compile, args.deepspeed)
     vocab = variants["unsharded"].config.vocab_size
     gen = torch.Generator().manual_seed(0)
     timer = Timer(device)
@@ -134,8 +175,8 @@ def bench_model(name: str, args, folder: str, device) -> dict:
             for _ in range(warmup + args.runs):
                 for key, model in variants.items():
                     timer(f"forward {batch}x{seq} {key}", lambda model=model, ids=ids: model(input_ids=ids))
-    eager = {k: m for k, m in variants.items() if k != "tpmap_compiled"}  # generate and training: eager
-    causal = cls_name.endswith(("ForCausalLM", "LMHeadModel"))
+    eager = {k: m for k, m in variants.items() if k != "tpmap_compiled"}  # generate: eager
+    causal = cls_name.endswith(("ForCausalLM", "LMHeadModel")) and "generate" not in args.skip
     if causal:
         prompt = torch.randint(3, vocab, (1, args.prompt), generator=gen).to(device)
         tokens = {}
@@ -154,6 +195,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
     torch.manual_seed(1234)  # the same RNG state on every rank in training (tpmap's input check compares it)
     optimizers = {}
+    eager = {k: m for k, m in eager.items() if k != "deepspeed"}  # training: AutoTP here is inference only
     for key, model in eager.items():
         model.train()
         optimizers[key] = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -164,7 +206,7 @@ def bench_model(name: str, args, folder: str, device) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(1 + args.train_runs):
+    for _ in range(1 + args.train_runs if "train" not in args.skip else 0):
         for key, model in eager.items():
             timer(f"train {batch}x{seq} {key}", lambda model=model, opt=optimizers[key]: step(model, opt))
     seconds = {key: summary(timer.rounds(key, warmup if key.startswith("forward") else 1))
@@ -177,28 +219,33 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     return result
 
 
+COLUMNS = [("unsharded", "unsharded"), ("tpmap", "tpmap"), ("tpmap_gloo", "tpmap on gloo"), ("hf_tp", "HF native TP"),
+           ("deepspeed", "DeepSpeed AutoTP"), ("tpmap_compiled", "tpmap compiled")]
+RATIOS = [("unsharded", "tpmap / unsharded"), ("hf_tp", "tpmap / HF"), ("deepspeed", "tpmap / DeepSpeed")]
+
+
 def table(results: list[dict]) -> str:
-    """One row per (model, measurement): median seconds per variant (spread p10-p90), and the ratios."""
-    lines = ["| model | measurement | unsharded | tpmap | HF native TP | tpmap / HF | tpmap / unsharded | "
-             "tpmap compiled |", "|---|---|---|---|---|---|---|---|"]
+    """One row per (model, measurement): median seconds per variant (spread p10-p90), and tpmap's ratios."""
+    present = [c for c in COLUMNS if any(f" {c[0]}" in k and k.endswith(c[0]) for r in results for k in r["seconds"])]
+    lines = ["| model | measurement | " + " | ".join(h for _, h in present) + " | " + " | ".join(h for _, h in RATIOS)
+             + " |", "|---|---|" + "---|" * (len(present) + len(RATIOS))]
+
+    def fmt(s):
+        if s is None:
+            return "-"
+        if "tokens_per_s" in s:
+            return f"{s['tokens_per_s']:.1f} tok/s"
+        return f"{s['median'] * 1e3:.1f} ms ({s['p10'] * 1e3:.0f}-{s['p90'] * 1e3:.0f})"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a['median'] / b['median']:.2f}"
+
     for r in results:
         kinds = sorted({k.rsplit(" ", 1)[0] for k in r["seconds"]}, key=lambda k: (k.split()[0] != "forward", k))
         for kind in kinds:
-            cells = {}
-            for variant in ("unsharded", "tpmap", "hf_tp", "tpmap_compiled"):
-                s = r["seconds"].get(f"{kind} {variant}")
-                cells[variant] = s
-            def fmt(s):
-                if s is None:
-                    return "-"
-                if "tokens_per_s" in s:
-                    return f"{s['tokens_per_s']:.1f} tok/s"
-                return f"{s['median'] * 1e3:.1f} ms ({s['p10'] * 1e3:.0f}-{s['p90'] * 1e3:.0f})"
-            def ratio(a, b):
-                return "-" if a is None or b is None else f"{a['median'] / b['median']:.2f}"
-            lines.append(f"| {r['model']} | {kind} | {fmt(cells['unsharded'])} | {fmt(cells['tpmap'])} | "
-                         f"{fmt(cells['hf_tp'])} | {ratio(cells['tpmap'], cells['hf_tp'])} | "
-                         f"{ratio(cells['tpmap'], cells['unsharded'])} | {fmt(cells['tpmap_compiled'])} |")
+            cells = {v: r["seconds"].get(f"{kind} {v}") for v, _ in COLUMNS}
+            lines.append(f"| {r['model']} | {kind} | " + " | ".join(fmt(cells[v]) for v, _ in present) + " | "
+                         + " | ".join(ratio(cells["tpmap"], cells[v]) for v, _ in RATIOS) + " |")
     lines.append("")
     lines.append("Ratios are of median times (lower is faster; for generate, time per call of "
                  "the same number of tokens).")
@@ -223,8 +270,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models, few rounds: a smoke run")
     parser.add_argument("--compile", default=None, metavar="BACKEND", help="also time the tpmap forward under "
                         "torch.compile with this backend (inductor: needs a C++ compiler on CPU; aot_eager)")
+    parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed AutoTP (inference: forward and "
+                        "generate), with its shared-memory all-reduce on CPU (pip install deepspeed)")
+    parser.add_argument("--shapes", default=None, help="forward shapes, e.g. 1x8,4x128 (default)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: generate, train")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.quick:
         args.runs, args.generate_runs, args.train_runs, args.prompt, args.new_tokens = 2, 1, 1, 16, 8
 

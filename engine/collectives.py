@@ -80,14 +80,18 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
         else:
             stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
         return torch.cat(stacked.chunk(ws, dim=0), dim=-1)  # (ws * B, ..., F/ws) -> (B, ..., ws * F/ws)
+    return torch.cat(all_gather_stacked(x, group).unbind(0), dim=-1)  # (ws, ..., F/ws) -> (..., ws * F/ws)
+
+
+def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x, stacked: (ws, *x.shape), eagerly (shared memory on one host's CPU ranks, else gloo)."""
     x = x.contiguous()
     shm = _shm(x, group)
     if shm is not None:
-        stacked = shm_path.all_gather(x.new_empty((ws, *x.shape)), x, shm)  # (ws, ..., F/ws)
-        return torch.cat(stacked.unbind(0), dim=-1)
-    parts = [torch.empty_like(x) for _ in range(ws)]
+        return shm_path.all_gather(x.new_empty((dist.get_world_size(group), *x.shape)), x, shm)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.stack(parts)
 
 
 def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:

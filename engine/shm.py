@@ -328,22 +328,30 @@ def _reason(everyone: list[dict], ranks: list[int], ws: int) -> str | None:
     return None
 
 
-# Counted by engine.collectives.counting_collectives under the torch.distributed names they replace.
+# Counted by engine.collectives.counting_collectives under the torch.distributed names they replace; under
+# torch.profiler each shows as one `tpmap::shm_*` range (its waits included), as gloo's calls do.
+def _profiled(name: str, fn, *args):
+    if not torch.autograd._profiler_enabled():
+        return fn(*args)
+    with torch.profiler.record_function(name):
+        return fn(*args)
+
+
 def all_reduce(t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
-    return shm.all_reduce_(t)
+    return _profiled("tpmap::shm_all_reduce", shm.all_reduce_, t)
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
     """(the feature all-gather; counted as torch.distributed's list all_gather)"""
-    return shm.all_gather_into(out, t)
+    return _profiled("tpmap::shm_all_gather", shm.all_gather_into, out, t)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
-    return shm.all_gather_into(out, t)
+    return _profiled("tpmap::shm_all_gather", shm.all_gather_into, out, t)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
-    return shm.reduce_scatter_into(out, t)
+    return _profiled("tpmap::shm_reduce_scatter", shm.reduce_scatter_into, out, t)
 
 
 # Graph-safe custom ops for torch.compile: out of place, the group by its handle.

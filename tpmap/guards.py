@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpmap.engine.collectives import all_gather_stacked
 from tpmap.spec.errors import InputMismatchError
 
 
@@ -70,8 +71,7 @@ def _compare_across_ranks(tensors, rng_state, group) -> None:
     """One all-gather of the 5-number fingerprint; on a mismatch, name what differs and raise."""
     device = tensors[0][1].device if tensors else torch.device("cpu")
     mine = _fingerprint(tensors, rng_state).to(device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = list(all_gather_stacked(mine, group))  # shared memory where the model's collectives use it
     bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
     if bad:
         raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
