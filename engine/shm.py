@@ -13,10 +13,10 @@ number, waits until every peer has posted it, and reads the peers' slots directl
 * **Double buffering.** Collective s writes buffer s % 2. A rank posts s only after finishing s - 1, and
   reaches s only after every peer posted s - 1, i.e. finished reading s - 2 = the buffer it now overwrites.
   Messages larger than a slot go in slot-sized chunks, one sequence number each.
-* **Bounded waits.** A wait spins, then yields the CPU (ranks may outnumber cores), then sleeps in short
-  steps; past the first millisecond it checks every 10 ms whether the peers it waits for are alive (their
-  pids, from the header) and raises `ShmPeerError` naming a dead one at once, or every missing rank after
-  `TPMAP_SHM_TIMEOUT` seconds (default: the process group's timeout).
+* **Bounded waits.** A wait spins (not when the ranks outnumber the cores), then yields the CPU, then
+  sleeps in short steps; past the first millisecond it checks every 10 ms whether the peers it waits
+  for are alive (their pids, from the header) and raises `ShmPeerError` naming a dead one at once, or
+  every missing rank after `TPMAP_SHM_TIMEOUT` seconds (default: the process group's timeout).
 * **Nothing left behind.** The segment is a `memfd` (no name in /dev/shm): the peers open it through
   /proc/<pid of the group's first rank>/fd and the kernel frees it when the last rank exits, crash or not.
 * **Chosen per group, the same way on every rank** (`for_group`, collective on the group's first use):
@@ -103,10 +103,24 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
 
 
+_SET_TIMEOUTS: dict = {}  # process group -> seconds, from set_timeout
+
+
+def set_timeout(seconds: float, group=None) -> None:
+    """From now on a shared-memory collective of `group` waits at most `seconds` for its peers (call it where
+    the group's own timeout changes: torch.distributed's `_set_pg_timeout` is not visible from here)."""
+    key = _group_key(group)
+    _SET_TIMEOUTS[key] = seconds
+    if _GROUPS.get(key) is not None:
+        _GROUPS[key].timeout = seconds
+
+
 def _timeout(group) -> float:
-    """TPMAP_SHM_TIMEOUT, else the group's own collective timeout (init_process_group's `timeout`)."""
+    """TPMAP_SHM_TIMEOUT, else set_timeout's, else the group's own collective timeout (init_process_group's)."""
     if "TPMAP_SHM_TIMEOUT" in os.environ:
         return float(os.environ["TPMAP_SHM_TIMEOUT"])
+    if _group_key(group) in _SET_TIMEOUTS:
+        return _SET_TIMEOUTS[_group_key(group)]
     pg = group if group is not None else dist.group.WORLD
     try:
         return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -128,6 +142,8 @@ class ShmGroup:
         self._words = memoryview(self._map)[:HEADER].cast("q")  # int64 words of the header
         self._seq = 0
         self._lock = threading.Lock()
+        # more ranks than cores: a spinning rank takes the core a peer needs to arrive, so yield at once
+        self._spins = SPINS if ws <= len(os.sched_getaffinity(0)) else 0
         self._words[self._line(rank) + 1] = os.getpid()
 
     @staticmethod
@@ -150,7 +166,7 @@ class ShmGroup:
             if not waiting:
                 return
             spins += 1
-            if spins < SPINS:
+            if spins < self._spins:
                 continue
             now = time.monotonic()
             if not start:
@@ -170,7 +186,8 @@ class ShmGroup:
                                + f" died during a shared-memory collective (rank {self.group_ranks[self.rank]} "
                                f"waited {waited:.1f} s for it)")
         if waited > self.timeout:
-            raise ShmPeerError(f"ranks {[self.group_ranks[r] for r in waiting]} did not reach a shared-memory "
+            missing = [self.group_ranks[r] for r in waiting]
+            raise ShmPeerError(f"Timed out: ranks {missing} did not reach a shared-memory "
                                f"collective within {self.timeout:g} s (TPMAP_SHM_TIMEOUT); rank "
                                f"{self.group_ranks[self.rank]} waited for them")
 

@@ -103,6 +103,19 @@ def groups(rank: int, ws: int) -> dict:
     return {"handles": handles, "bad": bad, "world": whole.tolist()}
 
 
+def _timed_all_reduce() -> dict:
+    """One all-reduce a peer will not join: how long until ShmPeerError, and its message (None: no error)."""
+    from tpmap.engine import collectives as C
+    from tpmap.engine import shm
+
+    start = time.monotonic()
+    try:
+        C._all_reduce(torch.ones(4), None)
+    except shm.ShmPeerError as e:
+        return {"seconds": time.monotonic() - start, "message": str(e)}
+    return {"seconds": time.monotonic() - start, "message": None}
+
+
 def dead_peer(rank: int, ws: int) -> dict:
     """The last rank dies after the path is chosen; the others must raise ShmPeerError naming it, quickly."""
     from tpmap.engine import collectives as C
@@ -112,12 +125,7 @@ def dead_peer(rank: int, ws: int) -> dict:
     C._all_reduce(torch.ones(4), None)
     if rank == ws - 1:
         os._exit(3)
-    start = time.monotonic()
-    try:
-        C._all_reduce(torch.ones(4), None)
-    except shm.ShmPeerError as e:
-        return {"seconds": time.monotonic() - start, "message": str(e)}
-    return {"seconds": time.monotonic() - start, "message": None}
+    return _timed_all_reduce()
 
 
 def out_of_step(rank: int, ws: int) -> dict:
@@ -130,19 +138,13 @@ def out_of_step(rank: int, ws: int) -> dict:
 
 def hanging_peer(rank: int, ws: int) -> dict:
     """The last rank never arrives; the others raise after TPMAP_SHM_TIMEOUT naming it."""
-    from tpmap.engine import collectives as C
     from tpmap.engine import shm
 
     assert shm.for_group(None) is not None
     if rank == ws - 1:
         time.sleep(30)
         return {}
-    start = time.monotonic()
-    try:
-        C._all_reduce(torch.ones(4), None)
-    except shm.ShmPeerError as e:
-        return {"seconds": time.monotonic() - start, "message": str(e)}
-    return {"seconds": time.monotonic() - start, "message": None}
+    return _timed_all_reduce()
 
 
 def mixed_hosts(rank: int, ws: int) -> dict:
@@ -186,7 +188,7 @@ def model_both_paths(rank: int, ws: int) -> dict:
     import tpmap
     from tpmap.engine import shm
 
-    cfg = AutoConfig.for_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4,
+    cfg = AutoConfig.for_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=6,
                                intermediate_size=192, num_hidden_layers=2, vocab_size=256,
                                max_position_embeddings=64, initializer_range=0.2)
     torch.manual_seed(0)

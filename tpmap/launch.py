@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tpmap import wire
+from tpmap.engine import shm
 
 _PARENT_POLL_S = 0.2  # how often a rank checks that its parent is alive
 _STOP = None  # the message that asks a rank to leave its loop
@@ -126,8 +127,10 @@ def progress(payload) -> None:
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """In a rank: from now on a collective waiting longer than `seconds` fails (it started with the Setup's)."""
+    """In a rank: from now on a collective waiting longer than `seconds` fails (it started with the Setup's),
+    on torch.distributed and on the shared-memory path alike."""
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    shm.set_timeout(seconds)
 
 
 def _send(message: tuple) -> None:
