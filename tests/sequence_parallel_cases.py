@@ -48,6 +48,16 @@ def _block_input_tokens(model) -> list:
     return seen
 
 
+def _extra_tokens(model, dtype: torch.dtype) -> int:
+    """How many tokens a vision model's embeddings add to its patches (a CLS token: 1; SigLIP: 0), measured
+    on a one-patch image: the first hidden state's length less one."""
+    c, p = model.config.num_channels, model.config.patch_size
+    with torch.no_grad():
+        out = model(pixel_values=torch.zeros(1, c, p, p, dtype=dtype), interpolate_pos_encoding=True,
+                    output_hidden_states=True)
+    return out.hidden_states[0].shape[1] - 1
+
+
 def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq: int = 8, train: bool = False,
               checkpointing: bool = False, decoder_seq: int | None = None) -> dict:
     """Logits and one backward of a transformers loss: SP against the unsharded model and against plain TP.
@@ -55,10 +65,11 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`)."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
-    if full.main_input_name == "pixel_values":  # an image of seq - 1 patches + CLS: seq tokens
+    if full.main_input_name == "pixel_values":  # an image of seq - extra patches + the extra tokens: seq tokens
         c, p = full.config.num_channels, full.config.patch_size
-        rows = max(d for d in range(1, int((seq - 1) ** 0.5) + 1) if (seq - 1) % d == 0)
-        shape = (2, c, rows * p, (seq - 1) // rows * p)
+        n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
+        rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
+        shape = (2, c, rows * p, n // rows * p)
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
