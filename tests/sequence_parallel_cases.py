@@ -48,6 +48,21 @@ def _block_input_tokens(model) -> list:
     return seen
 
 
+def _room_for_token_runs(model, declared: dict, seq: int) -> int:
+    """`seq`, or the next length by steps of ws whose rows hold the declared token runs (image tokens) before the
+    last row's padding: a multimodal config's image tokens may need more than the text families' lengths, and
+    the length must stay a multiple of ws for the split to run."""
+    ws = dist.get_world_size()
+    for length in range(seq, seq + 64 * ws, ws):
+        try:
+            verify.example_inputs(model, declared, seq=length)
+            return length
+        except tpmap.MissingInputError as e:
+            if "token runs" not in str(e):
+                raise
+    return seq
+
+
 def _extra_tokens(model, dtype: torch.dtype) -> int:
     """How many tokens a vision model's embeddings add to its patches (a CLS token: 1; SigLIP: 0), measured
     on a one-patch image: the first hidden state's length less one."""
@@ -74,6 +89,7 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
         declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
+        seq = _room_for_token_runs(full, declared, seq)
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
             gen = torch.Generator().manual_seed(2)
