@@ -84,6 +84,7 @@ class SequenceState:
         self._gathers: set = set()  # autograd nodes of this forward's gathers (see _derives_from_gather)
         self._copies: dict[int, tuple] = {}  # id -> (tensor from outside the blocks, its copy), this forward
         self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
+        self.batches: dict[int, int | None] = {}  # per stack: the batch of the (sub-)model that runs it (`owner`)
         self._full_shape = torch.Size()  # (B, T) of the first block's input
         # Other tensors shaped like this rank's tokens or the whole sequence are per-token inputs (split with the
         # hidden states) only in a one-stack model: in an encoder-decoder the decoder's blocks also take the
@@ -91,8 +92,15 @@ class SequenceState:
         self.side_inputs = stacks == 1
 
     def record_batch(self, module, args, kwargs):
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        self.batch = first.shape[0] if first is not None and first.dim() >= 1 else None
+        self.batch = _batch_of(args, kwargs)
+
+    def record_stack_batch(self, stack: int):
+        """A hook on the (sub-)model that runs stack `stack` (`owner`): the batch its blocks must see first. A
+        vision tower of a multimodal model runs on every crop or frame of the batch's images: its batch is not
+        the model input's."""
+        def hook(module, args, kwargs):
+            self.batches[stack] = _batch_of(args, kwargs)
+        return hook
 
     # -- called by ColumnParallelLinear / RowParallelLinear while active --------------------------------
     def column_matmul(self, x: torch.Tensor, column) -> torch.Tensor:
@@ -163,10 +171,11 @@ class SequenceState:
                 raise SequenceParallelError(f"sequence parallelism: {block_name} takes "
                                             f"{type(hidden).__name__} {tuple(getattr(hidden, 'shape', ()))} first, "
                                             "not hidden states (B, T, H)")
-            if self.batch is not None and hidden.shape[0] != self.batch:
+            batch = self.batches.get(stack, self.batch)
+            if batch is not None and hidden.shape[0] != batch:
                 raise SequenceParallelError(
                     f"sequence parallelism: {block_name} takes hidden states of shape {tuple(hidden.shape)} for a "
-                    f"batch of {self.batch}: they are not batch first (B, T, H), so tpmap "
+                    f"batch of {batch}: they are not batch first (B, T, H), so tpmap "
                     "cannot tell which dimension is the sequence. Apply without sequence_parallel for this model")
             self.active = self._active[stack] = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
@@ -345,6 +354,26 @@ def _first_argument(module: nn.Module, args: tuple, kwargs: dict):
     return first, put
 
 
+def _batch_of(args: tuple, kwargs: dict) -> int | None:
+    """The first dimension of a forward's first tensor argument (its batch), or None."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first.shape[0] if first is not None and first.dim() >= 1 else None
+
+
+def owner(model: nn.Module, block: str) -> str:
+    """The (sub-)model that runs the stack of `block`: its innermost enclosing transformers model (a language
+    model, a vision tower, an encoder's stack), `model` itself ('') when none encloses it. Its input's batch is
+    the batch its blocks' hidden states must have first."""
+    from transformers import PreTrainedModel
+
+    parts = block.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:n])
+        if isinstance(model.get_submodule(name), PreTrainedModel):
+            return name
+    return ""
+
+
 def _per_token(a, tokens_shape) -> bool:
     """Whether `a` is a (B, T, F) tensor over the same tokens as hidden states of shape (B, T, H)."""
     return isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[:2] == tokens_shape
@@ -369,6 +398,8 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, group) -> Sequ
     state = SequenceState(group, len(sp.ends))
     model.register_forward_pre_hook(state.record_batch, with_kwargs=True)
     for stack, (first, last) in enumerate(sp.ends):
+        model.get_submodule(owner(model, first)).register_forward_pre_hook(state.record_stack_batch(stack),
+                                                                           with_kwargs=True)
         model.get_submodule(first).register_forward_pre_hook(state.split_block_input(first, stack), with_kwargs=True)
         model.get_submodule(last).register_forward_hook(state.gather_last_output(stack))
     for name in sp.blocks:

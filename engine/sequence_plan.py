@@ -42,8 +42,11 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
 * A per-head embedding Column (T5's relative position bias) inside a gathered parent is looked up for
   the whole sequence, as in plain TP. Parents that are items of a ModuleList/ModuleDict (experts) are
   refused: they are called with the tokens routed to them.
-* The hidden states must be batch first: a block input whose first dimension is not the model input's
-  batch (XLNet's (T, B, H)) raises at the forward.
+* The hidden states must be batch first: a block input whose first dimension is not the batch of the
+  (sub-)model that runs its stack (XLNet's (T, B, H)) raises at the forward. That model is the innermost
+  transformers model enclosing the stack (`sequence.owner`): a multimodal model's vision tower runs on every
+  crop or frame of the batch's images (LLaVA-NeXT's anyres crops, Video-LLaVA's frames), so its batch is its
+  own input's, not the model input's.
 
 A forward whose sequence length is not a multiple of ws (a decode step of generate) runs as plain
 TP. Which kind a backward's gradients came from is recorded in the graph (`_Mark`), so the whole

@@ -48,6 +48,31 @@ def _block_input_tokens(model) -> list:
     return seen
 
 
+def _room_for_token_runs(model, declared: dict, seq: int) -> int:
+    """`seq`, or the next length by steps of ws whose rows hold the declared token runs (image tokens) before the
+    last row's padding: a multimodal config's image tokens may need more than the text families' lengths, and
+    the length must stay a multiple of ws for the split to run."""
+    ws = dist.get_world_size()
+    for length in range(seq, seq + 64 * ws, ws):
+        try:
+            verify.example_inputs(model, declared, seq=length)
+            return length
+        except tpmap.MissingInputError as e:
+            if "token runs" not in str(e):
+                raise
+    return seq
+
+
+def _extra_tokens(model, dtype: torch.dtype) -> int:
+    """How many tokens a vision model's embeddings add to its patches (a CLS token: 1; SigLIP: 0), measured
+    on a one-patch image: the first hidden state's length less one."""
+    c, p = model.config.num_channels, model.config.patch_size
+    with torch.no_grad():
+        out = model(pixel_values=torch.zeros(1, c, p, p, dtype=dtype), interpolate_pos_encoding=True,
+                    output_hidden_states=True)
+    return out.hidden_states[0].shape[1] - 1
+
+
 def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq: int = 8, train: bool = False,
               checkpointing: bool = False, decoder_seq: int | None = None) -> dict:
     """Logits and one backward of a transformers loss: SP against the unsharded model and against plain TP.
@@ -55,14 +80,16 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`)."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
-    if full.main_input_name == "pixel_values":  # an image of seq - 1 patches + CLS: seq tokens
+    if full.main_input_name == "pixel_values":  # an image of seq - extra patches + the extra tokens: seq tokens
         c, p = full.config.num_channels, full.config.patch_size
-        rows = max(d for d in range(1, int((seq - 1) ** 0.5) + 1) if (seq - 1) % d == 0)
-        shape = (2, c, rows * p, (seq - 1) // rows * p)
+        n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
+        rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
+        shape = (2, c, rows * p, n // rows * p)
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
         declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
+        seq = _room_for_token_runs(full, declared, seq)
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
             gen = torch.Generator().manual_seed(2)

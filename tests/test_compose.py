@@ -216,6 +216,36 @@ def test_image_inputs_put_the_image_tokens_in_every_row_and_nowhere_else():
         assert not torch.allclose(model(**inputs).last_hidden_state, model(**other).last_hidden_state)
 
 
+def test_values_inputs_hold_their_values_in_every_row_and_drive_llava_next_anyres_grid():
+    """`kind: values` (image_sizes): every row holds the values; llava_next's 16 x 32 image takes the [16, 32] grid
+    of its pinpoints, so the tower sees 3 images of 16 x 16 (base + 2 crops) and the image has 14 tokens: the
+    base's 2 x 2 features, then 2 rows of 2 crops x 2 features each ended by image_newline (2 x 5)."""
+    model = verify.build_model("llava_next", 0, "LlavaNextModel")
+    inputs = verify.case_inputs("llava_next", 0, model)
+    assert inputs["image_sizes"].tolist() == [[16, 32], [16, 32]] and inputs["image_sizes"].dtype == torch.long
+    assert tuple(inputs["pixel_values"].shape) == (2, 3, 3, 16, 16)
+    assert ((inputs["input_ids"] == model.config.image_token_id).sum(-1) == 14).all()
+    seen = []
+    model.vision_tower.register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape)))
+    with torch.no_grad():
+        out = model(**inputs)
+    assert seen == [(6, 3, 16, 16)]  # 2 rows x 3 images
+    assert [tuple(f.shape) for f in out.image_outputs.pooler_output] == [(14, 96), (14, 96)]  # per image: its tokens
+
+
+def test_values_inputs_need_one_value_per_element_of_the_last_dimension():
+    base = mapping_text("llava_next")
+    values = "values: [vision_config.image_size, 2 * vision_config.image_size]"
+    with pytest.raises(MappingErrors, match="kind: values needs `values`"):
+        source.load_text(replaced(base, values, "values: []", once=True), "x.yaml")
+    with pytest.raises(MappingErrors, match="only it takes them"):
+        source.load_text(replaced(base, "kind: values,", "kind: ids,", once=True), "x.yaml")
+    model = verify.build_model("llava_next", 0, "LlavaNextModel")
+    loaded = source.load_text(replaced(base, values, values[:-1] + ", 1]", once=True), "x.yaml")
+    with pytest.raises(MissingInputError, match="3 values for a last dimension of 2"):
+        verify.example_inputs(model, loaded.mapping.verify[0].inputs)
+
+
 def test_token_runs_that_do_not_fit_are_refused():
     ids = torch.zeros(2, 10, dtype=torch.long)
     mask = torch.ones(2, 10, dtype=torch.long)

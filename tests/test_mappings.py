@@ -30,7 +30,10 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # Gemma3n's activation-sparse layers cut at mean + z * std of the gathered gate output: an element within
 # rounding of the cutoff flips (measured 6.1e-4 at ws 4 with its example ids, <= 1.2e-4 with 5 other seeds;
 # 1.02e-3 on layer 9's up_proj at ws 4 since composition landed, which failed CI at 10x: 30x, fp64 still 2e-6)
-LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30}
+# PaliGemma (Gemma text model, SigLIP tower, through the image tokens): layer 0's k_proj gradient, judged at its own
+# scale, reaches 1.80e-4 at ws 4 in fp32 (measured 2026-12-02 and again after siglip's return); fp64 of the same case
+# within 2e-6, the forward 4.3e-6
+LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,

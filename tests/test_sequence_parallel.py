@@ -170,3 +170,16 @@ def test_world_size_one_still_checks():
     model = verify.build_model("mixtral", 0, "MixtralForCausalLM")
     with pytest.raises(tpmap.SequenceParallelError, match="matrix kept whole"):
         tpmap.apply(model, 1, sequence_parallel=True)
+
+
+def test_each_stack_checks_the_batch_of_the_model_that_runs_it():
+    """The batch-first check of a stack reads the input of its innermost enclosing transformers model: a vision
+    tower's own (its crops or frames: llava_next's tower sees 3 images per row), the language model's, and for a
+    (T, B, H) stack the model that takes (B, T) ids (XLNet), so that one is still refused."""
+    from tpmap.engine.sequence import owner
+
+    llava_next = verify.build_model("llava_next", 0, "LlavaNextForConditionalGeneration")
+    assert owner(llava_next, "model.vision_tower.encoder.layers.0") == "model.vision_tower"
+    assert owner(llava_next, "model.language_model.layers.0") == "model.language_model"
+    xlnet = verify.build_model("xlnet", 0, "XLNetLMHeadModel")
+    assert owner(xlnet, "transformer.layer.0") == "transformer"

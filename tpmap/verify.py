@@ -83,7 +83,8 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     main input (Whisper's ``input_features``, ``pixel_values``) has a model-specific shape and must be
     declared, or `MissingInputError` is raised. Declared shapes are expressions over config attributes
     and ``batch`` / ``seq`` (a dotted name reads a sub-config: ``vision_config.image_size``); kinds: ``ids``
-    (token ids), ``float`` (standard normal), ``mask`` (ones, last row right-padded by `pad`). Declared ids may
+    (token ids), ``float`` (standard normal), ``mask`` (ones, last row right-padded by `pad`), ``values`` (the
+    integer expressions `values` in every row: image sizes). Declared ids may
     hold ``tokens``: runs of one id (image placeholders), placed back to back from position 1 of every row,
     the id nowhere else (`place_runs`); a declared ``input_ids`` of the derived shape keeps the derived mask's
     padding in mind. Everything is drawn from one generator seeded with `seed`, by
@@ -144,6 +145,12 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             inputs[name] = ids(name, shape, mask, runs)
         elif spec.kind == "float":
             inputs[name] = torch.randn(shape, generator=gen)
+        elif spec.kind == "values":
+            row = [expr.evaluate(v, lookup) for v in spec.values]
+            if shape[-1] != len(row):
+                raise MissingInputError(f"{name}: {len(row)} values for a last dimension of {shape[-1]} "
+                                        f"(shape {shape}); give one value per element")
+            inputs[name] = torch.tensor(row, dtype=torch.long).expand(shape).clone()
         else:
             inputs[name] = _mask(shape, pad)
     return inputs

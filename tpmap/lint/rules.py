@@ -491,6 +491,7 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str],
                 break
         exprs = [(("shape", k), dim) for k, dim in enumerate(declared.shape)]
         exprs += [(("tokens", k, f), getattr(t, f)) for k, t in enumerate(declared.tokens) for f in ("id", "count")]
+        exprs += [(("values", k), value) for k, value in enumerate(declared.values)]
         for key, value in exprs:
             for n in sorted(expr.names(value) - {"batch", "seq"}):
                 problem = _unknown_name(n, known, config)

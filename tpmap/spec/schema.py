@@ -403,19 +403,28 @@ class ExampleInput(_Strict):
         "sub-config: vision_config.image_size) and `batch` / `seq` (the batch size and sequence length of the "
         "derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
     )
-    kind: Literal["ids", "float", "mask"] = Field(
+    kind: Literal["ids", "float", "mask", "values"] = Field(
         "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "
-        "with the last row's last 3 positions 0 (right padding)"
+        "with the last row's last 3 positions 0 (right padding); values: integers given by `values` (sizes a "
+        "model reads, such as an image's height and width)"
     )
     tokens: list[TokenRun] = Field(
         [], description="(ids) runs of special token ids placed in every row from position 1, e.g. image "
         "placeholders: [{id: image_token_id, count: N}]"
+    )
+    values: list[CheckedExpr] = Field(
+        [], description="(values) integer expressions, as many as the last dimension: every row holds them, e.g. "
+        "image_sizes {shape: [batch, 2], kind: values, values: [vision_config.image_size, 2 * "
+        "vision_config.image_size]} (height, width)"
     )
 
     @model_validator(mode="after")
     def _tokens_in_ids(self):
         if self.tokens and self.kind != "ids":
             raise ValueError(f"tokens are placed into token ids; this input's kind is {self.kind!r}")
+        if (self.kind == "values") != bool(self.values):
+            raise ValueError("kind: values needs `values` (one expression per element of the last dimension), "
+                             f"and only it takes them; this input's kind is {self.kind!r}")
         return self
 
 
