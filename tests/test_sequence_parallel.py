@@ -29,9 +29,12 @@ REFUSED = {
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     **dict.fromkeys(  # experts
-        ["dbrx", "glm4_moe", "kolibri1", "llama4_text", "phimoe", "qwen3_moe", "solar_open"], "under a Reduce entry"),
+        ["dbrx", "exaone_moe", "glm4_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text", "mellum", "phimoe",
+         "qwen3_moe", "solar_open"],
+        "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
-        ["ernie4_5_moe", "gpt_oss", "granitemoe", "granitemoehybrid", "minimax", "mixtral", "olmoe", "qwen2_moe"],
+        ["aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
+         "granitemoeshared", "hy_v3", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
