@@ -80,16 +80,24 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
         else:
             stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
         return torch.cat(stacked.chunk(ws, dim=0), dim=-1)  # (ws * B, ..., F/ws) -> (B, ..., ws * F/ws)
-    return torch.cat(all_gather_stacked(x, group).unbind(0), dim=-1)  # (ws, ..., F/ws) -> (..., ws * F/ws)
+    x = x.contiguous()
+    shm = _shm(x, group)
+    if shm is not None:  # each rank's slice straight into place
+        return shm_path.all_gather(x.new_empty((*x.shape[:-1], ws * x.shape[-1])), x, shm)
+    parts = [torch.empty_like(x) for _ in range(ws)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's x, stacked: (ws, *x.shape), eagerly (shared memory on one host's CPU ranks, else gloo)."""
     x = x.contiguous()
+    ws = dist.get_world_size(group)
     shm = _shm(x, group)
-    if shm is not None:
-        return shm_path.all_gather(x.new_empty((dist.get_world_size(group), *x.shape)), x, shm)
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    if shm is not None:  # (1, numel) gathered along the last dim is the stack, rank-major
+        flat = shm_path.all_gather(x.new_empty((1, ws * x.numel())), x.view(1, -1), shm)
+        return flat.view(ws, *x.shape)
+    parts = [torch.empty_like(x) for _ in range(ws)]
     dist.all_gather(parts, x, group=group)
     return torch.stack(parts)
 

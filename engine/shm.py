@@ -238,6 +238,23 @@ class ShmGroup:
                 self._exchange(flat[i : i + step], read)
         return out
 
+    def all_gather_last_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """out (..., ws * F), contiguous <- every rank's t (..., F), rank-major along the last dim: each slot
+        is copied straight to its place (no stacked copy and concatenation after)."""
+        f = t.shape[-1]
+        rows, dst = t.reshape(-1, f), out.view(-1, self.ws, f)  # (n, F), (n, ws, F)
+        step = max(1, self.slot_bytes // (f * t.element_size()))  # whole rows per chunk
+        if f * t.element_size() > self.slot_bytes:  # a row larger than a slot: through the stacked path
+            stacked = self.all_gather_into(t.new_empty((self.ws, *t.shape)), t)
+            return out.copy_(torch.cat(stacked.unbind(0), dim=-1))
+        with self._lock:
+            for i in range(0, rows.shape[0], step):
+                def read(slots, i=i):
+                    for r, s in enumerate(slots):
+                        dst[i : i + s.numel() // f, r].copy_(s.view(-1, f))
+                self._exchange(rows[i : i + step].reshape(-1), read)
+        return out
+
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """out (n elements) <- the sum over ranks of chunk `rank` of every rank's t (ws * n elements)."""
         rows, dst = t.reshape(self.ws, -1), out.view(-1)  # (ws, n), (n,)
@@ -359,8 +376,9 @@ def all_reduce(t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
-    """(the feature all-gather; counted as torch.distributed's list all_gather)"""
-    return _profiled("tpmap::shm_all_gather", shm.all_gather_into, out, t)
+    """(..., F) -> out (..., ws * F), rank-major along the last dim (the features' all-gather; counted as
+    torch.distributed's list all_gather)"""
+    return _profiled("tpmap::shm_all_gather", shm.all_gather_last_into, out, t)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:

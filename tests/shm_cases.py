@@ -66,6 +66,11 @@ def exact(rank: int, ws: int) -> dict:
                 bad.append(("all_reduce vs gloo", str(dtype), n))
             if not torch.equal(C._all_gather(x.view(1, n), None), torch.cat(parts).view(1, ws * n)):
                 bad.append(("all_gather", str(dtype), n))
+            rows = (torch.randn(3, 400, 7, generator=g) * 100).to(dtype)  # many rows a chunk, many chunks
+            if not torch.equal(C._all_gather(rows, None), torch.cat(_everyone(rows), dim=-1)):
+                bad.append(("all_gather rows", str(dtype), n))
+            if not torch.equal(C.all_gather_stacked(rows, None), torch.stack(_everyone(rows))):
+                bad.append(("all_gather_stacked", str(dtype), n))
             if not torch.equal(C._all_gather_along(x.view(n, 1), None, 0), torch.cat(parts).view(ws * n, 1)):
                 bad.append(("all_gather_along", str(dtype), n))
             y = (torch.randn(ws * 3, n, generator=g) * 100).to(dtype)
