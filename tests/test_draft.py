@@ -77,7 +77,9 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "jetmoe": "no Column/Row pair",  # mixture-of-attention and experts: 3-D tensors only
                    "recurrent_gemma": "no Column/Row pair",  # temporal_block differs by layer kind
                    # the mapping's default_config (is_decoder, for the causal LM) cannot build the masked LM
-                   "reformer": "building ReformerForMaskedLM from the tiny config failed"}
+                   "reformer": "building ReformerForMaskedLM from the tiny config failed",
+                   # its class is registered only as image-text-to-text, which the drafter does not search
+                   "shieldgemma2": "no model class of transformers is registered for model_type 'shieldgemma2'"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)
