@@ -33,7 +33,9 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # PaliGemma (Gemma text model, SigLIP tower, through the image tokens): layer 0's k_proj gradient, judged at its own
 # scale, reaches 1.80e-4 at ws 4 in fp32 (measured 2026-12-02 and again after siglip's return); fp64 of the same case
 # within 2e-6, the forward 4.3e-6
-LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10}
+# Switch Transformers has T5's unscaled attention: 1.07e-4 on encoder layer 0's q at ws 4 once the shared-memory
+# path summed the ranks in rank order instead of gloo's ring order (fp64 still within 2e-6)
+LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,
@@ -41,7 +43,9 @@ LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10}
 # (qwen3_5_text) and 3.80e-6 (qwen3_5_moe_text), 1.01e-5 for the MoE with only the delta rule's casts made
 # fp64 (the RMSNorms' float32 left), and 0.0 for every parameter of both once all those casts keep float64;
 # the next largest 7.1e-7 (the MoE's in_proj_b on rank 0), A_log exact at ws 2.
-LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text": (r"\.linear_attn\.A_log$", 10)}
+# OLMo-Hybrid's Gated DeltaNet layers are the same kernel: A_log 2.22e-6 at ws 4 with the ranks summed in rank order.
+LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text": (r"\.linear_attn\.A_log$", 10),
+              "olmo_hybrid": (r"\.linear_attn\.A_log$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:
