@@ -55,27 +55,25 @@ def _shm_handle(group) -> int:
     return shm.handle if shm is not None else -1
 
 
+def _compiled_handle(t: torch.Tensor, group) -> int:
+    """While compiling: the handle of the shared-memory custom ops for a CPU tensor, else -1 (functional ops)."""
+    return _shm_handle(group) if torch.compiler.is_compiling() and t.device.type == "cpu" else -1
+
+
 def _all_reduce(t: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
     """The sum over the group, a new tensor unless `fresh` (t is a temporary nobody else reads: summed in place)."""
     if torch.compiler.is_compiling():
-        handle = _shm_handle(group) if t.device.type == "cpu" else -1
-        if handle >= 0:
+        if (handle := _compiled_handle(t, group)) >= 0:
             return torch.ops.tpmap.shm_all_reduce(t, handle)
         return funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD)
-    t = t.contiguous() if fresh else t.contiguous().clone()
-    shm = _shm(t, group)
-    if shm is not None:
-        return shm_path.all_reduce(t, shm)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+    return all_reduce_(t.contiguous() if fresh else t.contiguous().clone(), group)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """(..., F/ws) -> (..., ws * F/ws), rank-major along the last dim."""
     ws = dist.get_world_size(group)
     if torch.compiler.is_compiling():
-        handle = _shm_handle(group) if x.device.type == "cpu" else -1
-        if handle >= 0:
+        if (handle := _compiled_handle(x, group)) >= 0:
             stacked = torch.ops.tpmap.shm_all_gather(x, handle, ws)
         else:
             stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
@@ -180,7 +178,7 @@ def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., n, ..) at `dim` -> (.., ws * n, ..), rank-major."""
     first = x.movedim(dim, 0).contiguous()  # (n, ...): each rank's chunk one block of memory
     ws = dist.get_world_size(group)
-    if torch.compiler.is_compiling() and (handle := _shm_handle(group) if x.device.type == "cpu" else -1) >= 0:
+    if (handle := _compiled_handle(x, group)) >= 0:
         return torch.ops.tpmap.shm_all_gather(first, handle, ws).movedim(0, dim).contiguous()
     out = first.new_empty((ws * first.shape[0], *first.shape[1:]))
     shm = None if torch.compiler.is_compiling() else _shm(x, group)
@@ -195,7 +193,7 @@ def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """(.., ws * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
     first = x.movedim(dim, 0).contiguous()
     ws = dist.get_world_size(group)
-    if torch.compiler.is_compiling() and (handle := _shm_handle(group) if x.device.type == "cpu" else -1) >= 0:
+    if (handle := _compiled_handle(x, group)) >= 0:
         return torch.ops.tpmap.shm_reduce_scatter(first, handle, ws).movedim(0, dim).contiguous()
     out = first.new_empty((first.shape[0] // ws, *first.shape[1:]))
     shm = None if torch.compiler.is_compiling() else _shm(x, group)

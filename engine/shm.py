@@ -305,15 +305,14 @@ def _setup(group) -> ShmGroup | None:
     if obstacle is None and backend != "gloo":
         obstacle = f"the group's backend is {backend}, not gloo"
     fd = None
+    slot_bytes = int(os.environ.get("TPMAP_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
     if obstacle is None and rank == 0:
-        slot_bytes = int(os.environ.get("TPMAP_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
         try:
             fd = os.memfd_create("tpmap-shm", os.MFD_CLOEXEC)
             os.ftruncate(fd, HEADER + 2 * ws * slot_bytes)
         except OSError as e:
             obstacle = f"memfd_create failed: {e}"
-    mine = dict(mode=mode, obstacle=obstacle, host=host_identity(), pid=os.getpid(), fd=fd,
-                slot_bytes=int(os.environ.get("TPMAP_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES)))
+    mine = dict(mode=mode, obstacle=obstacle, host=host_identity(), pid=os.getpid(), fd=fd, slot_bytes=slot_bytes)
     everyone: list = [None] * ws
     dist.all_gather_object(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(ws))
