@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tpmap.engine.plan import Plan
+from tpmap.engine.plan import ParamShard, Plan
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,15 @@ def misaligned(model: nn.Module, plan: Plan) -> list[Misaligned]:
         blocks = getattr(tensor, "block_size", None)
         if blocks is None or len(blocks) != len(shard.full_shape):
             continue
-        block = int(blocks[shard.dim])
-        if block <= 1 or block >= shard.full_shape[shard.dim]:  # element-wise, or one block along the dim
-            continue
-        cuts = sorted({edge for pieces in shard.pieces for start, n in pieces for edge in (start, start + n)})
-        bad = [edge for edge in cuts if edge % block and edge != shard.full_shape[shard.dim]]
-        if bad:
-            out.append(Misaligned(shard.name, shard.dim, block, bad[0]))
+        boundary = cut_inside(shard, int(blocks[shard.dim]))
+        if boundary is not None:
+            out.append(Misaligned(shard.name, shard.dim, int(blocks[shard.dim]), boundary))
     return out
+
+
+def cut_inside(shard: ParamShard, block: int) -> int | None:
+    """The first shard boundary of `shard` inside a block of `block` elements along its split dim, or None."""
+    if shard.dim is None or block <= 1 or block >= shard.full_shape[shard.dim]:  # element-wise, or one block
+        return None
+    cuts = sorted({edge for pieces in shard.pieces for start, n in pieces for edge in (start, start + n)})
+    return next((edge for edge in cuts if edge % block and edge != shard.full_shape[shard.dim]), None)

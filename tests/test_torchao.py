@@ -44,7 +44,7 @@ def _cases():
                                    marks=() if default else pytest.mark.full)
 
 
-@pytest.mark.parametrize("ref,cls,scheme,ws", _cases())
+@pytest.mark.parametrize("ref,cls,scheme,ws", list(_cases()))
 def test_weight_only_quantized_model_sharded_equals_the_unsharded_quantized_model(ranks, ref, cls, scheme, ws):
     for r in ranks(ws).run(torchao_cases.torchao_case, ref, _index(ref, cls, ws), cls, scheme):
         assert r["refused"] is None, r["refused"]
@@ -95,3 +95,80 @@ def test_a_quantized_tensor_whose_slice_its_type_cannot_make_is_refused_before_a
         assert message is not None and message.startswith("UnsupportedConfigError"), r
         assert "qkv_proj.weight is a quantized Int8Tensor" in message and "3 pieces on rank 0" in message, message
         assert r["untouched"], r
+
+
+# tpmap.from_pretrained(folder, quantization_config=TorchAoConfig(...)): each rank quantizes its slices after reading
+# them. Reference: transformers' own from_pretrained with the same config (the whole weights quantized), in the same
+# run. phi3 is here too: its fused qkv_proj, refused above for a model quantized before sharding, is quantized after.
+LOAD_FAMILIES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+                 "bert": "BertForMaskedLM", "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "granite": "GraniteForCausalLM", "opt": "OPTForCausalLM"}
+
+
+def _saved(tmp_path, ref: str, cls: str, ws: int) -> str:
+    folder = tmp_path / ref
+    verify.build_model(ref, _index(ref, cls, ws), cls).save_pretrained(folder)
+    return str(folder)
+
+
+def _load_cases():
+    """int8 per row at ws 2, 3 and 4 for every family; float8 per row and int8 per tensor (one scale for the whole
+    weight, a Column's too) at ws 4 for four."""
+    for ref, cls in LOAD_FAMILIES.items():
+        for scheme in ("int8_weight_only", "float8_weight_only", "int8_per_tensor"):
+            for ws in (2, 3, 4) if scheme == "int8_weight_only" else (4,) if ref in (
+                    "llama", "qwen3_moe", "deepseek_v3", "phi3") else ():
+                default = ref == "llama" and ws == 2 and scheme == "int8_weight_only"
+                yield pytest.param(ref, cls, scheme, ws, id=f"{ref}-{scheme}-ws{ws}",
+                                   marks=() if default else pytest.mark.full)
+
+
+@pytest.mark.parametrize("ref,cls,scheme,ws", list(_load_cases()))
+def test_from_pretrained_quantizes_each_ranks_slices_as_transformers_quantizes_the_whole(ranks, tmp_path, ref, cls,
+                                                                                          scheme, ws):
+    """Every quantized tensor a rank holds, dequantized, is bit for bit the independent reference's slice of the
+    weight transformers quantized whole: a Row's per-row scales and a per-tensor scale come from the whole weight's
+    range, not the slice's (planted: quantizing the slice as it is -> the Rows' o_proj / down_proj differ, 1.8e-2
+    relative in the logits at ws 2)."""
+    folder = _saved(tmp_path, ref, cls, ws)
+    for r in ranks(ws).run(torchao_cases.from_pretrained_case, folder, cls, scheme, "float32"):
+        assert r["quantized"] > 0 and r["split"] > 0, r
+        assert r["differ"] == [], r
+        assert r["rel"] <= BOUND, r
+        assert r["config"] == "TorchAoConfig", r  # model.config.quantization_config, as transformers sets it
+        assert r["rank_bytes"] < r["full_bytes"], r
+
+
+def test_from_pretrained_refuses_groups_a_shard_boundary_would_cut_before_reading(ranks, tmp_path):
+    """Groups of 16: o_proj's 96 input features split into 24 per rank at ws 4. Refused on every rank alike, with
+    the world sizes that work, before a byte of the weights is read."""
+    folder = _saved(tmp_path, "llama", "LlamaForCausalLM", 4)
+    for r in ranks(4).run(torchao_cases.from_pretrained_refused, folder, "LlamaForCausalLM",
+                          "int8_weight_only_group16"):
+        message = r["refused"]
+        assert message is not None and message.startswith("DivisibilityError"), r
+        assert "o_proj.weight would be quantized in groups of 16 input features" in message, message
+        assert "falls at 24" in message and "World sizes that work: 1, 2, 6;" in message, message
+        assert r["read"] == 0, r
+
+
+@pytest.mark.full
+def test_from_pretrained_with_groups_between_the_boundaries_is_exact(ranks, tmp_path):
+    folder = _saved(tmp_path, "llama", "LlamaForCausalLM", 2)
+    for r in ranks(2).run(torchao_cases.from_pretrained_case, folder, "LlamaForCausalLM", "int8_weight_only_group16",
+                          "float32"):
+        assert r["differ"] == [] and r["rel"] <= BOUND and r["split"] > 0, r
+
+
+@pytest.mark.parametrize("config", [{"quant_method": "awq", "bits": 4}, "FineGrainedFP8Config"])
+def test_from_pretrained_refuses_every_quantization_config_but_torchao_by_name(tmp_path, config):
+    import transformers
+
+    import tpmap
+
+    folder = _saved(tmp_path, "llama", "LlamaForCausalLM", 2)
+    config = getattr(transformers, config)() if isinstance(config, str) else config
+    with pytest.raises(tpmap.UnsupportedConfigError, match="torchao only") as e:
+        tpmap.from_pretrained(folder, world_size=1, quantization_config=config)
+    assert ("'awq'" in str(e.value)) if isinstance(config, dict) else ("FineGrainedFP8Config" in str(e.value))

@@ -17,6 +17,7 @@ def _config(scheme: str):
 
     return {"int8_weight_only": lambda: q.Int8WeightOnlyConfig(),
             "int8_weight_only_group16": lambda: q.Int8WeightOnlyConfig(granularity=q.PerGroup(16)),
+            "int8_per_tensor": lambda: q.Int8WeightOnlyConfig(granularity=q.PerTensor()),
             "float8_weight_only": lambda: q.Float8WeightOnlyConfig(),
             "int8_dynamic_activation": lambda: q.Int8DynamicActivationInt8WeightConfig()}[scheme]()
 
@@ -63,3 +64,45 @@ def torchao_case(ref: str, verify_index: int, class_name: str, scheme: str) -> d
             "still_quantized": sum(1 for n in quantized if hasattr(local[n], "__tensor_flatten__")),
             "shapes_ok": shapes_ok, "full_bytes": full_bytes,
             "rank_bytes": sum(nbytes(local[n]) for n in quantized)}
+
+
+def from_pretrained_case(folder: str, class_name: str, scheme: str, dtype: str) -> dict:
+    """tpmap.from_pretrained(folder, quantization_config=TorchAoConfig(...)) against transformers' own load with
+    the same config (the whole weights quantized), in the same run: logits, and every quantized tensor of this
+    rank dequantized against the independent reference's slice of transformers' dequantized tensor, bit for bit."""
+    import slicing_reference
+    import transformers
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    cls, torch_dtype = getattr(transformers, class_name), getattr(torch, dtype)
+    config = lambda: transformers.TorchAoConfig(_config(scheme))  # noqa: E731
+    full = cls.from_pretrained(folder, dtype=torch_dtype, quantization_config=config())
+    got = tpmap.from_pretrained(folder, model_class=class_name, dtype=torch_dtype, quantization_config=config())
+    ids = torch.randint(0, full.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, mine = full(ids).logits, got(ids).logits
+    quantized = {n: p for n, p in full.named_parameters() if hasattr(p, "__tensor_flatten__")}
+    loaded = tpmap.load_mapping(full)
+    splits = slicing_reference.splits(full, loaded, tpmap.plan(full, ws, mapping=loaded), ws)
+    local = dict(got.named_parameters())
+    differ = [n for n, p in quantized.items() if not hasattr(local[n], "__tensor_flatten__") or not torch.equal(
+        local[n].dequantize(), splits[n].local(p.dequantize(), ws, rank) if n in splits else p.dequantize())]
+    return {"rel": ((mine - want).abs().max() / want.abs().max()).item(), "quantized": len(quantized),
+            "split": sum(1 for n in quantized if n in splits), "differ": differ,
+            "config": type(getattr(got.config, "quantization_config", None)).__name__,
+            "full_bytes": sum(nbytes(p) for p in quantized.values()),
+            "rank_bytes": sum(nbytes(local[n]) for n in quantized)}
+
+
+def from_pretrained_refused(folder: str, class_name: str, scheme: str) -> dict:
+    """The error tpmap.from_pretrained raises for this scheme at this world size, and the tensor bytes it read."""
+    import transformers
+    from checkpoint_cases import _CountReads
+
+    with _CountReads() as reads:
+        try:
+            tpmap.from_pretrained(folder, model_class=class_name,
+                                  quantization_config=transformers.TorchAoConfig(_config(scheme)))
+        except tpmap.TpmapError as e:
+            return {"refused": f"{type(e).__name__}: {e}", "read": reads.bytes}
+    return {"refused": None, "read": reads.bytes}

@@ -16,7 +16,9 @@ the loading report, the generation config); only the reading differs:
    computed buffers equal those of a fully loaded model;
 4. read the tensors that stay whole, then execute the plan (`tpmap.api.apply_plan`) with a reader that
    reads each split tensor's slice for this rank from the file instead of slicing a loaded tensor;
-5. agree: one all-reduce of a failure flag, so a rank that failed while reading makes every rank raise.
+5. with ``quantization_config=TorchAoConfig(...)``: quantize each rank's slices with the scales the whole weights
+   would get (`tpmap.checkpoint.quantize`; which weights, and a group a boundary would cut, decided in step 2);
+6. agree: one all-reduce of a failure flag, so a rank that failed while reading makes every rank raise.
 
 The result equals ``tpmap.apply(AutoModel...from_pretrained(path), world_size)`` bit for bit.
 """
@@ -30,13 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap import api
-from tpmap.checkpoint import conversion
+from tpmap.checkpoint import conversion, quantize
 from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
 from tpmap.engine.sequence_plan import plan_sequence_parallel
 from tpmap.engine.shard import take
-from tpmap.spec.errors import CheckpointError, LoadError
+from tpmap.spec.errors import CheckpointError, LoadError, TpmapError, UnsupportedConfigError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
@@ -44,7 +46,6 @@ _NOT_HERE = {
     "offload_folder": "tpmap does not offload", "offload_buffers": "tpmap does not offload",
     "tp_plan": "tpmap's mapping is the plan", "tp_size": "pass world_size=...", "distributed_config": "pass group=...",
     "device_mesh": "pass group=...",
-    "quantization_config": "config.json says how the checkpoint is quantized; FP8 block-scaled weights are dequantized",
     "gguf_file": "tpmap reads safetensors", "state_dict": "load the state dict with apply() instead",
     "use_safetensors": "tpmap reads safetensors only", "ignore_mismatched_sizes": "mismatched shapes are errors",
     "adapter_kwargs": "adapters are not supported", "adapter_name": "adapters are not supported",
@@ -56,7 +57,7 @@ _NOT_HERE = {
 
 def from_pretrained(path, *, world_size: int | None = None, group=None, model_class=None, dtype=None, device=None,
                     mapping=None, loss_parallel: bool = False, check_inputs: bool = True,
-                    sequence_parallel: bool = False, **hf_kwargs):
+                    sequence_parallel: bool = False, quantization_config=None, **hf_kwargs):
     """Load a tensor-parallel model from a local transformers checkpoint folder, on every rank.
 
     Each rank reads only its slices of the safetensors files (single-file or sharded with
@@ -69,6 +70,10 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     * ``device``: where this rank's tensors go, e.g. ``f"cuda:{local_rank}"`` (default: CPU).
     * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``: as
       `tpmap.apply`.
+    * ``quantization_config``: a ``transformers.TorchAoConfig``: each rank quantizes its slices after reading
+      them, with the scales the whole weight would get (`tpmap.checkpoint.quantize`); the result equals
+      transformers' own load with the same config, sliced. (A checkpoint that is stored quantized says so in its
+      config.json: FP8 block-scaled weights are dequantized, any other method is refused.)
     * ``hf_kwargs``: what transformers' `from_pretrained` takes for a local folder: config overrides,
       ``attn_implementation``, ``experts_implementation``, ``key_mapping``, ``variant``, ``subfolder``,
       ``generation_config``, ``trust_remote_code``, ``output_loading_info`` (then returns
@@ -89,6 +94,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
 
     group = api.process_group(group)
     tp_size, tp_rank = api.resolve_group(world_size, group)
+    torchao_config = quantize.torchao_config(quantization_config)
     request = _Request.of(path, dtype, hf_kwargs)
     folder, kwargs, generation_config = request.folder, request.config_kwargs, request.generation_config
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -108,6 +114,12 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
+    on_load = None
+    if torchao_config is not None:
+        if block is not None:
+            raise UnsupportedConfigError(f"{folder} is stored quantized (FP8 blocks); quantization_config= quantizes "
+                                         "an unquantized checkpoint on load: drop one of the two")
+        on_load = quantize.OnLoadQuantization(torchao_config, model, plan, lambda ws: _plan_or_none(model, loaded, ws))
     missing = _missing(model, sources)
 
     def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
@@ -125,6 +137,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
             api.apply_plan(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
                            read=read, sequence=sequence)
         _check_materialized(model)
+        if on_load is not None:
+            on_load.apply(model, group)
     except Exception as e:  # every rank must learn of it (below) before raising, or the others would hang later
         failure = e
     finally:
@@ -147,6 +161,13 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
                                    proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
                                    trust_remote_code=request.trust_remote_code, **kwargs)
     return (model, info.to_dict()) if request.output_loading_info else model
+
+
+def _plan_or_none(model, loaded, ws: int):
+    try:
+        return planner.build_plan(model, loaded, ws)
+    except TpmapError:  # (heads that the world size does not divide, ...)
+        return None
 
 
 def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
