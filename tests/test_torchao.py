@@ -54,6 +54,25 @@ def test_weight_only_quantized_model_sharded_equals_the_unsharded_quantized_mode
         assert r["rank_bytes"] < r["full_bytes"], r  # each rank holds only its slices
 
 
+# MoE experts' stacked weights ([E, out, in] Params, split by the mappings' Param entries) quantized by torchao too
+# (float8 per row: torchao's Int8Tensor cannot run them even unsharded, no transpose; gpt_oss indexes its experts'
+# weights, which Float8Tensor does not implement, unsharded alike).
+EXPERTS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+           "olmoe": "OlmoeForCausalLM"}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("ref,cls,ws", [(r, c, ws) for r, c in EXPERTS.items() for ws in (2, 3, 4)])
+def test_quantized_expert_weights_are_sliced_with_their_scales(ranks, ref, cls, ws):
+    """gate_up [E, 2I, H] split in its [gate | up] sections along dim 1 (two pieces a rank), down [E, H, I] along
+    its input dim 2 (per-row scales [E, H] kept whole): exact against the unsharded quantized model."""
+    for r in ranks(ws).run(torchao_cases.torchao_case, ref, _index(ref, cls, ws), cls, "float8_weight_only+experts"):
+        assert r["refused"] is None, r["refused"]
+        assert r["experts"] > 0 and r["still_quantized"] == r["quantized"] and r["shapes_ok"], r
+        assert r["rel"] <= BOUND, r
+        assert r["rank_bytes"] < r["full_bytes"], r
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("ws", [2, 3])
 def test_per_group_weights_are_sliced_with_their_group_scales(ranks, ws):

@@ -23,11 +23,16 @@ def _config(scheme: str):
 
 
 def quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
-    """Every nn.Linear but the LM head (the output embeddings), as torchao's quantize_ is usually called."""
-    from torchao.quantization import quantize_
+    """Every nn.Linear but the LM head (the output embeddings), as torchao's quantize_ is usually called; for a
+    scheme `X+experts`, X on the linears and the MoE experts' stacked weights too (by parameter name)."""
+    from torchao.quantization import FqnToConfig, quantize_
 
+    scheme, _, experts = scheme.partition("+")
     head = model.get_output_embeddings()
     quantize_(model, _config(scheme), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and m is not head)
+    if experts:
+        names = [n for n, _ in model.named_parameters() if n.rsplit(".", 2)[-2] == "experts"]
+        quantize_(model, FqnToConfig({n: _config(scheme) for n in names}), filter_fn=None)
     return model
 
 
@@ -61,6 +66,7 @@ def torchao_case(ref: str, verify_index: int, class_name: str, scheme: str) -> d
     shapes_ok = all(tuple(local[n].shape) == plan[n].local_shape(rank) for n in quantized if n in plan)
     return {"refused": None, "rel": ((got - want).abs().max() / want.abs().max()).item(),
             "quantized": len(quantized), "split": sum(1 for n in quantized if n in plan and plan[n].dim is not None),
+            "experts": sum(1 for n in quantized if n in plan and plan[n].dim is not None and ".experts." in n),
             "still_quantized": sum(1 for n in quantized if hasattr(local[n], "__tensor_flatten__")),
             "shapes_ok": shapes_ok, "full_bytes": full_bytes,
             "rank_bytes": sum(nbytes(local[n]) for n in quantized)}
