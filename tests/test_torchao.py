@@ -191,3 +191,34 @@ def test_from_pretrained_refuses_every_quantization_config_but_torchao_by_name(t
     with pytest.raises(tpmap.UnsupportedConfigError, match="torchao only") as e:
         tpmap.from_pretrained(folder, world_size=1, quantization_config=config)
     assert ("'awq'" in str(e.value)) if isinstance(config, dict) else ("FineGrainedFP8Config" in str(e.value))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("ws", [2, 3])
+def test_int4_per_group_on_cpu_loads_exact_and_shards_exact(ranks, tmp_path, ws):
+    """torchao's int4 weight-only that runs on CPU (IntxWeightOnlyConfig(weight_dtype=torch.int4), groups of 16):
+    from_pretrained quantizes the slices with their groups' scales, bit for bit transformers' whole quantization
+    sliced; and a model quantized so before tpmap.apply is sliced exactly. (Int4WeightOnlyConfig needs mslk or a
+    GPU.)"""
+    folder = _saved(tmp_path, "llama", "LlamaForCausalLM", ws)
+    for r in ranks(ws).run(torchao_cases.from_pretrained_case, folder, "LlamaForCausalLM", "int4_group16", "float32"):
+        assert r["differ"] == [] and r["rel"] <= BOUND and r["split"] > 0, r
+    for r in ranks(ws).run(torchao_cases.torchao_case, "llama", _index("llama", "LlamaForCausalLM", ws),
+                           "LlamaForCausalLM", "int4_group16"):
+        assert r["refused"] is None and r["shapes_ok"] and r["rel"] <= BOUND, r
+
+
+def test_int4_per_row_scales_a_row_split_cannot_keep_are_refused_on_both_routes(ranks, tmp_path):
+    """int4 per row (IntxUnpackedToInt8Tensor) cannot be sliced inside its row blocks: a Row's weight is refused by
+    name on both routes before anything changes, saying to quantize per group instead."""
+    folder = _saved(tmp_path, "llama", "LlamaForCausalLM", 2)
+    for r in ranks(2).run(torchao_cases.from_pretrained_refused, folder, "LlamaForCausalLM", "int4_per_row"):
+        message = r["refused"]
+        assert message is not None and message.startswith("UnsupportedConfigError"), r
+        assert "o_proj.weight's scales span the ranks" in message and "per group" in message, message
+        assert r["read"] == 0, r
+    for r in ranks(2).run(torchao_cases.torchao_case, "llama", _index("llama", "LlamaForCausalLM", 2),
+                          "LlamaForCausalLM", "int4_per_row"):
+        message = r["refused"]
+        assert message is not None and message.startswith("UnsupportedConfigError"), r
+        assert "o_proj.weight is a quantized IntxUnpackedToInt8Tensor" in message and r["untouched"], r

@@ -18,6 +18,8 @@ def _config(scheme: str):
     return {"int8_weight_only": lambda: q.Int8WeightOnlyConfig(),
             "int8_weight_only_group16": lambda: q.Int8WeightOnlyConfig(granularity=q.PerGroup(16)),
             "int8_per_tensor": lambda: q.Int8WeightOnlyConfig(granularity=q.PerTensor()),
+            "int4_group16": lambda: q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerGroup(16)),
+            "int4_per_row": lambda: q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerAxis(0)),
             "float8_weight_only": lambda: q.Float8WeightOnlyConfig(),
             "int8_dynamic_activation": lambda: q.Int8DynamicActivationInt8WeightConfig()}[scheme]()
 

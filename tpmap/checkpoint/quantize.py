@@ -94,7 +94,11 @@ class OnLoadQuantization:
             rows, cols = probed[width]
             if rows == 1 and cols < width:
                 groups[name] = cols
-            self.weights.append(_Weight(name, _kind(shard, width, (rows, cols))))
+            kind = _kind(shard, width, (rows, cols))
+            if kind != "slice":
+                # (rank 0's slice stands for every rank's: weights split evenly have one local shape)
+                _check_widened_slice(name, config.get_apply_tensor_subclass(), shard.local_shape(0))
+            self.weights.append(_Weight(name, kind))
         _refuse_cut_groups(groups, plan, plan_at)
 
     def apply(self, model: nn.Module, group) -> None:
@@ -118,6 +122,23 @@ def _probe_block(quant_type, in_features: int) -> tuple[int, int]:
             "so tpmap cannot tell which slices keep their scales; quantize with a scheme whose tensors record it "
             "(torchao's Int8WeightOnlyConfig, Float8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig)")
     return int(block[0]), int(block[1])
+
+
+def _check_widened_slice(name: str, quant_type, local_shape) -> None:
+    """A block spanning ranks is quantized widened by two columns and sliced back: the tensor type must slice so."""
+    width = local_shape[1]
+    probe = nn.Linear(width + 2, 2, bias=False)
+    probe.weight.data = torch.randn(2, width + 2, generator=torch.Generator().manual_seed(0))
+    _quantize_linear(probe, quant_type)
+    try:
+        probe.weight[:, :width]
+    except (NotImplementedError, AssertionError) as e:  # torchao asserts on slices across its blocks
+        raise UnsupportedConfigError(
+            f"{name}'s scales span the ranks (one per row, split along the input features, or one for the whole "
+            f"weight), so its slice is quantized widened by two columns of the whole range and cut back, and "
+            f"{type(probe.weight).__name__} cannot be cut back from {width + 2} to this rank's {width} columns "
+            f"({str(e).splitlines()[0][:160]}); quantize per group of input features that "
+            "divide each rank's share, or leave this layer out (modules_to_not_convert)") from e
 
 
 def _kind(shard: ParamShard | None, width: int, block: tuple[int, int]) -> Kind:
