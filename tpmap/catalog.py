@@ -125,6 +125,10 @@ def render(table: list[Row]) -> str:
     def ws(values: list[int]) -> str:
         return ", ".join(map(str, values)) if values else "-"
 
+    text, multimodal = auto_mapping_types()
+    by_kind = {kind: [] for kind, _ in SECTIONS}
+    for r in table:
+        by_kind["text" if r.model_type in text else "multimodal" if r.model_type in multimodal else "part"].append(r)
     lines = [
         "# Models",
         "",
@@ -140,14 +144,33 @@ def render(table: list[Row]) -> str:
         f"and lints and verifies (forward, every world size) every mapping on {PROVEN[0]}. A mapping with its "
         "own `transformers` range is checked only on the releases in it (its notes say so).",
         "",
-        f"{len(table)} model types.",
-        "",
-        "| model type | classes | forward (ws) | gradients (ws) | generate (ws) | share at ws 4 | features | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{len(table)} model types: {len(by_kind['text'])} of the {len(text)} text types of transformers "
+        f"{PROVEN[-1]}'s causal-LM, seq2seq-LM and masked-LM auto mappings, {len(by_kind['multimodal'])} of the "
+        f"{len(multimodal)} types its image-text-to-text mapping holds beyond those, and "
+        f"{len(by_kind['part'])} towers and other sub-models that the others compose (vision and audio encoders),"
+        " each verified on its own. Types without a mapping and why: [docs/refused.md](docs/refused.md).",
     ]
-    for r in table:
-        share = f"{r.share_ws4:.1%}" if r.share_ws4 is not None else "-"
-        gradients = ws(r.gradient_ws) + (" (fp32 only)" if r.gradient_ws and r.fp32_only else "")
-        lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {gradients} | "
-                     f"{ws(r.generate_ws)} | {share} | {', '.join(r.features)} | {r.notes.replace('|', '/')} |")
+    header = ["| model type | classes | forward (ws) | gradients (ws) | generate (ws) | share at ws 4 | features "
+              "| notes |", "|---|---|---|---|---|---|---|---|"]
+    for kind, title in SECTIONS:
+        lines += ["", f"## {title}", "", *header]
+        for r in by_kind[kind]:
+            share = f"{r.share_ws4:.1%}" if r.share_ws4 is not None else "-"
+            gradients = ws(r.gradient_ws) + (" (fp32 only)" if r.gradient_ws and r.fp32_only else "")
+            lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {gradients} | "
+                         f"{ws(r.generate_ws)} | {share} | {', '.join(r.features)} | {r.notes.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+SECTIONS = (("text", "Text models"), ("multimodal", "Multimodal models"),
+            ("part", "Towers and other sub-models"))
+
+
+def auto_mapping_types() -> tuple[set[str], set[str]]:
+    """The text model types of the installed transformers' causal-LM, seq2seq-LM and masked-LM auto mappings, and
+    the types of its image-text-to-text mapping that are not among them."""
+    from transformers.models.auto import modeling_auto as auto
+
+    text = (set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+            | set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+    return text, set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - text
