@@ -219,7 +219,8 @@ def dropout_case(ref: str, class_name: str, probe: str) -> dict:
 
 def refused_case(ref: str, class_name: str) -> dict:
     """apply(sequence_parallel=True) on a model it cannot run: the error, and the model left as it was.
-    A refusal that only the input can show (hidden states not batch-first) comes at the first forward."""
+    A refusal that only the input can show (hidden states not batch-first) comes at the first forward, on the
+    verify config's inputs (with its declared ones: a vision tower runs only on the image path)."""
     from rank_cases import same_signature, state_signature
 
     model = verify.build_model(ref, 0, class_name)
@@ -229,8 +230,8 @@ def refused_case(ref: str, class_name: str) -> dict:
     except tpmap.TpmapError as e:
         return {"error": type(e).__name__, "message": str(e), "at": "apply",
                 "untouched": same_signature(before, state_signature(model))}
-    try:
-        sp(**verify.example_inputs(sp, seq=8))
+    try:  # the verify config's declared inputs: a multimodal model's image path (Qwen2-VL's packed patches)
+        sp(**verify.example_inputs(sp, verify.resolve(ref).mapping.verify[0].inputs, seq=8))
     except tpmap.TpmapError as e:
         return {"error": type(e).__name__, "message": str(e), "at": "forward", "untouched": None}
     return {"error": None, "message": "", "at": None, "untouched": False}
