@@ -47,6 +47,8 @@ REFUSED = {
         ["deepseek_v2", "deepseek_v3", "falcon_mamba", "gemma3n_text", "jamba", "mamba", "reformer", "rwkv",
          "zamba2"], "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
+    **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
+        ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"], "not hidden states (B, T, H)"),
 }
 
 
