@@ -63,12 +63,18 @@ def _room_for_token_runs(model, declared: dict, seq: int) -> int:
     return seq
 
 
+def _patch(config) -> tuple[int, int]:
+    """(height, width) of a patch: `patch_size` is an int, or a pair (InternVL's tower)."""
+    p = config.patch_size
+    return (p, p) if isinstance(p, int) else tuple(p)
+
+
 def _extra_tokens(model, dtype: torch.dtype) -> int:
     """How many tokens a vision model's embeddings add to its patches (a CLS token: 1; SigLIP: 0), measured
     on a one-patch image: the first hidden state's length less one."""
-    c, p = model.config.num_channels, model.config.patch_size
+    c, (ph, pw) = model.config.num_channels, _patch(model.config)
     with torch.no_grad():
-        out = model(pixel_values=torch.zeros(1, c, p, p, dtype=dtype), interpolate_pos_encoding=True,
+        out = model(pixel_values=torch.zeros(1, c, ph, pw, dtype=dtype), interpolate_pos_encoding=True,
                     output_hidden_states=True)
     return out.hidden_states[0].shape[1] - 1
 
@@ -81,10 +87,10 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
     if full.main_input_name == "pixel_values":  # an image of seq - extra patches + the extra tokens: seq tokens
-        c, p = full.config.num_channels, full.config.patch_size
+        c, (ph, pw) = full.config.num_channels, _patch(full.config)
         n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
         rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
-        shape = (2, c, rows * p, n // rows * p)
+        shape = (2, c, rows * ph, n // rows * pw)
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
