@@ -350,13 +350,13 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(ranks, tmp_path, ca
 
 
 def test_a_model_type_without_a_mapping(ranks, tmp_path):
-    from transformers import AutoConfig, XLMWithLMHeadModel  # a model type without a shipped mapping
+    from transformers import AutoConfig, IBertForMaskedLM  # refused for good (docs/refused.md): no mapping ships
 
-    XLMWithLMHeadModel(AutoConfig.for_model("xlm", emb_dim=32, n_layers=1, n_heads=2,
-                                            vocab_size=64)).save_pretrained(tmp_path)
+    IBertForMaskedLM(AutoConfig.for_model("ibert", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=64)).save_pretrained(tmp_path)
     results = ranks(2).run(cases.load_error, str(tmp_path), timeout=120)
     assert results[0] == results[1]
-    assert results[0]["error"][0] == "UnknownModelTypeError" and "'xlm'" in results[0]["error"][1]
+    assert results[0]["error"][0] == "UnknownModelTypeError" and "'ibert'" in results[0]["error"][1]
 
 
 def test_a_rank_failing_while_reading_makes_every_rank_raise(ranks, tmp_path):

@@ -136,12 +136,12 @@ def test_a_composed_when_and_unsupported_read_the_sub_config(tmp_path):
 # -- errors -------------------------------------------------------------------------------------------
 def test_a_sub_model_without_a_mapping_is_named_with_its_prefix_and_model_type():
     """The issue's bad input: the error names the sub-model, its module prefix and its model type."""
-    model = meta_llava(text={"model_type": "diffllama"})
+    model = meta_llava(text={"model_type": "xlstm"})  # a type without a mapping (and none drafted)
     with pytest.raises(MappingError) as info:
         tpmap.plan(model, 2)
     message = str(info.value)
     assert info.value.rule == "compose" and info.value.position.path.endswith("llava.yaml")
-    for words in ("model.language_model (DiffLlamaModel)", "model_type 'diffllama'", "text_config.model_type",
+    for words in ("model.language_model (xLSTMModel)", "model_type 'xlstm'", "text_config.model_type",
                   "no mapping", "mapping:"):
         assert words in message, message
 
