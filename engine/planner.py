@@ -466,14 +466,24 @@ class Planner:
         if mapping.vocab_parallel is not None:
             self.shards.extend(self.plan_vocab_parallel(mapping.vocab_parallel))
         grad_allreduce = []
-        for i, pattern in enumerate(mapping.grad_allreduce):
+        for i, item in enumerate(mapping.grad_allreduce):
+            pattern = item if isinstance(item, str) else item.module
             hits = match_modules(pattern, self.names)
             if not hits:
                 raise PatternMatchError(f"grad_allreduce pattern {pattern!r} matches no module"
                                         f"{suggest_module(pattern, self.names)}",
                                         source.value(("grad_allreduce", i)), "pattern-no-match")
             for rel in hits:
-                for pname, _ in self.modules[rel].named_parameters():
+                own = dict(self.modules[rel].named_parameters(recurse=False))
+                for pname in [] if isinstance(item, str) else item.params:
+                    if pname not in own:
+                        raise PatternMatchError(
+                            f"grad_allreduce: {self.prefix}{rel} ({type(self.modules[rel]).__name__}) holds no "
+                            f"parameter {pname!r} itself; its own parameters: {', '.join(own) or 'none'}",
+                            source.value(("grad_allreduce", i, "params")), "pattern-no-match")
+                names = self.modules[rel].named_parameters() if isinstance(item, str) else (
+                    (pname, own[pname]) for pname in item.params)
+                for pname, _ in names:
                     full = f"{self.prefix}{rel}.{pname}"
                     if full in self.owner:
                         raise PatternMatchError(f"{full} is sharded by entry {self.owner[full]}; grad_allreduce is "

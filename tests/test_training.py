@@ -22,6 +22,7 @@ import rank_cases
 import torch
 from helpers import edited_copy, mapping_text
 
+import tpmap
 from tpmap import verify
 from tpmap.spec import source
 
@@ -96,6 +97,32 @@ def test_without_grad_allreduce_the_per_head_norm_gradients_are_wrong(ranks, tmp
     path = edited_copy(tmp_path, "qwen3_no_grad_allreduce", "qwen3", line + "\n", "", every=True)
     for r in ranks(2).run(rank_cases.grad_case, str(path), 0, "Qwen3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and "_norm" in r["worst_name"], r
+
+
+DIFFLLAMA_LAMBDAS = """grad_allreduce:
+  - module: layers.*.self_attn   # its q/k/v/o children are split; the lambdas, its own, stay whole
+    params: [lambda_q1, lambda_k1, lambda_q2, lambda_k2]
+"""
+
+
+def test_grad_allreduce_params_sums_the_own_parameters_of_a_split_module(ranks, tmp_path):
+    """DiffLlama's lambdas scale every head pair and live on the attention module, whose q/k/v/o are split:
+    `grad_allreduce: [{module, params}]` sums their gradients; without it they are partial sums (0.63 off)."""
+    path = edited_copy(tmp_path, "diffllama_no_lambdas", "diffllama", DIFFLLAMA_LAMBDAS, "", once=True)
+    for r in ranks(2).run(rank_cases.grad_case, str(path), 0, "DiffLlamaForCausalLM", False, torch.float64):
+        assert r["worst_rel"] > 1e-2 and ".lambda_" in r["worst_name"], r
+
+
+def test_grad_allreduce_params_must_be_the_modules_own(tmp_path):
+    path = edited_copy(tmp_path, "diffllama_child_param", "diffllama", "params: [lambda_q1,",
+                       "params: [q_proj, lambda_q1,", once=True)
+    model = verify.build_model(str(path), 0, "DiffLlamaForCausalLM")
+    with pytest.raises(tpmap.PatternMatchError) as e:
+        tpmap.plan(model, 2, mapping=str(path))
+    message = str(e.value)
+    assert "model.layers.0.self_attn (DiffLlamaAttention) holds no parameter 'q_proj' itself" in message, message
+    assert "its own parameters: lambda_q1, lambda_k1, lambda_q2, lambda_k2" in message, message
+    assert message.startswith(f"{path}:"), message  # the file and line of the params list
 
 
 def test_a_forward_that_raises_inside_a_sharded_region_leaves_it(ranks):

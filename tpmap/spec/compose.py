@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tpmap.spec.errors import MappingError, MappingErrors, PatternMatchError, TpmapError, did_you_mean
-from tpmap.spec.schema import Compose, KeptWhole
+from tpmap.spec.schema import Compose, KeptWhole, OwnParams
 from tpmap.spec.source import LoadedMapping, Scope, SourceMap, load_file, shipped_files
 
 # a module path -> (pattern prefix of its own base model, e.g. "vision_tower.vision_model.", and a description
@@ -163,7 +163,7 @@ def _prefixed(value, prefix: str):
     """A composed item with its module pattern under `prefix` (an `unsupported` item has none)."""
     if isinstance(value, str):
         return prefix + value
-    if isinstance(value, KeptWhole) or hasattr(value, "kind"):
+    if isinstance(value, KeptWhole | OwnParams) or hasattr(value, "kind"):
         return value.model_copy(update={"module": prefix + value.module})
     return value
 

@@ -467,6 +467,23 @@ class Verify(_Strict):
     )
 
 
+class OwnParams(_Strict):
+    """Parameters held directly by a module whose children are split, used whole by every rank on its shard of the
+    activations (a `grad_allreduce` item): their gradients are summed over the ranks. For a module that keeps
+    everything whole, the plain pattern says the same.
+
+    Example (DiffLlama: the lambdas scale the output of every head pair, and each rank holds some pairs)::
+
+        grad_allreduce:
+          - module: layers.*.self_attn
+            params: [lambda_q1, lambda_k1, lambda_q2, lambda_k2]
+    """
+    module: Pattern
+    params: list[str] = Field(min_length=1, description="names of parameters the module holds itself")
+
+    _v_module = field_validator("module")(lambda v: _check_pattern(v))
+
+
 class KeptWhole(_Strict):
     """A block that a complete tensor-parallel mapping would split, kept whole on every rank because the
     model's code does not allow splitting it (e.g. an attention that reshapes its output by its input
@@ -585,10 +602,11 @@ class Mapping(_Strict):
     vocab_parallel: VocabParallel | None = Field(
         None, description="split the embedding and LM head along the vocabulary (omit to keep them replicated)"
     )
-    grad_allreduce: list[Pattern] = Field(
+    grad_allreduce: list[Pattern | OwnParams] = Field(
         [],
         description="modules kept whole whose parameters see only this rank's shard of the activations (e.g. a "
-        "per-head q/k norm applied to local heads): their gradients are summed over the ranks in backward",
+        "per-head q/k norm applied to local heads): their gradients are summed over the ranks in backward; "
+        "{module, params} names parameters of a module whose children are split (DiffLlama's lambdas)",
     )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
