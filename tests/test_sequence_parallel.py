@@ -35,10 +35,9 @@ REFUSED = {
          "phimoe", "qwen3_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
-        ["aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
+        ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
          "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral",
-         "olmoe",
-         "qwen2_moe"],
+         "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
