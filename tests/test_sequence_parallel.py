@@ -34,10 +34,11 @@ REFUSED = {
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
-         "granitemoeshared", "hy_v3", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe"],
+         "granitemoeshared", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe",
+         "qwen2_moe"],
         "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
          "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "falcon_mamba", "gemma3n_text", "jamba", "mamba", "reformer", "rwkv",
