@@ -30,6 +30,7 @@ REFUSED = {
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
+    "nllb-moe": "(experts)",
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "exaone_moe", "flint", "glm4_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text", "mellum",
          "phimoe", "qwen3_moe", "solar_open"],
