@@ -157,13 +157,16 @@ def _read(folder: Path, name: str) -> bytes:
 
 @pytest.mark.parametrize("model_type,ws", _saves(), ids=lambda v: v if isinstance(v, str) else f"ws{v}")
 def test_save_pretrained_writes_what_transformers_writes(ranks, tmp_path, model_type, ws):
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
 
-    converted = get_checkpoint_conversion_mapping(model_type) is not None
     for cls in _classes(model_type):
         ours, theirs = tmp_path / cls / "tpmap", tmp_path / cls / "transformers"
         ranks(ws).run(cases.save_sharded, model_type, 0, cls, str(ours), max_shard_size="64KB")
         full = verify.build_model(model_type, 0, cls)
+        # a sub-model's conversion counts too (qwen3_5_moe's text model fuses its experts; its own type has none)
+        converted = get_checkpoint_conversion_mapping(model_type) is not None or any(
+            isinstance(c, WeightConverter) for c in get_model_conversion_mapping(full, add_legacy=False))
         full.save_pretrained(theirs, max_shard_size="64KB")
         # a standard checkpoint: plain transformers loads it back bit for bit, as it loads its own save
         # (not full.state_dict(): Marian's sinusoidal positions are recomputed on every load)
@@ -184,8 +187,9 @@ def test_save_pretrained_writes_what_transformers_writes(ranks, tmp_path, model_
         other = 2 if ws == 4 else 1
         per_rank = (ranks(other).run(cases.logits_from_pretrained, model_type, 0, cls, str(ours)) if other > 1
                     else [cases.logits_from_pretrained(model_type, 0, cls, str(ours))])
+        tolerance = verify.resolve(model_type).mapping.verify[0].tolerance  # a declared bound, as tpmap verify
         for r in per_rank:
-            assert r["max_diff"] <= verify.RTOL * r["scale"], (cls, r)
+            assert r["max_diff"] <= (tolerance.forward if tolerance else verify.RTOL) * r["scale"], (cls, r)
 
 
 def test_a_single_file_save_is_byte_identical_to_transformers(ranks, tmp_path):

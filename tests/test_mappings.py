@@ -35,7 +35,11 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # within 2e-6, the forward 4.3e-6
 # Switch Transformers has T5's unscaled attention: 1.07e-4 on encoder layer 0's q at ws 4 once the shared-memory
 # path summed the ranks in rank order instead of gloo's ring order (fp64 still within 2e-6)
-LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10}
+# Qwen3.5-MoE vision-language: Qwen3_5MoeModel's token-embedding gradient at ws 4, 1.70e-4 in fp32 (the image
+# features through the Gated DeltaNet's float32 kernel and the routed experts; its forward is 4.6e-5, a declared
+# tolerance), the fp64 check of the same case within its bound
+LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
+              "qwen3_5_moe": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,
@@ -44,8 +48,11 @@ LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "sw
 # fp64 (the RMSNorms' float32 left), and 0.0 for every parameter of both once all those casts keep float64;
 # the next largest 7.1e-7 (the MoE's in_proj_b on rank 0), A_log exact at ws 2.
 # OLMo-Hybrid's Gated DeltaNet layers are the same kernel: A_log 2.22e-6 at ws 4 with the ranks summed in rank order.
+# The Qwen3.5 vision-language models run the same text models behind the image path: A_log 2.70e-6 (qwen3_5) and
+# the MoE's layer-0 conv1d weight, whose output enters the same float32 delta rule, 2.11e-6 (qwen3_5_moe), at ws 4.
 LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text": (r"\.linear_attn\.A_log$", 10),
-              "olmo_hybrid": (r"\.linear_attn\.A_log$", 10)}
+              "olmo_hybrid": (r"\.linear_attn\.A_log$", 10), "qwen3_5": (r"\.linear_attn\.A_log$", 10),
+              "qwen3_5_moe": (r"\.linear_attn\.(A_log|conv1d\.weight)$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:

@@ -32,8 +32,8 @@ REFUSED = {
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     **dict.fromkeys(  # experts
-        ["afmoe", "dbrx", "exaone_moe", "flint", "glm4_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text", "mellum",
-         "phimoe", "qwen3_moe", "solar_open"],
+        ["afmoe", "dbrx", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text",
+         "mellum", "phimoe", "qwen3_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
@@ -41,14 +41,14 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
-         "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "falcon_mamba", "gemma3n_text", "jamba", "mamba", "reformer", "rwkv",
          "zamba2"], "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"], "not hidden states (B, T, H)"),
+        ["glm4v", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"], "not hidden states (B, T, H)"),
 }
 
 
