@@ -44,8 +44,9 @@ REFUSED = {
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["deepseek_v2", "deepseek_v3", "falcon_mamba", "gemma3n_text", "jamba", "mamba", "reformer", "rwkv",
-         "zamba2"], "does not follow the Column -> Row pattern"),
+        ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
+         "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "zamba2"],
+        "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
         ["glm4v", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"], "not hidden states (B, T, H)"),
