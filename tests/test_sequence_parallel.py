@@ -29,8 +29,8 @@ REFUSED = {
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     **dict.fromkeys(  # experts
-        ["afmoe", "dbrx", "exaone_moe", "flint", "glm4_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text", "mellum",
-         "phimoe", "qwen3_moe", "solar_open"],
+        ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text",
+         "mellum", "phimoe", "qwen3_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
