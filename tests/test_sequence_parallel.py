@@ -32,7 +32,8 @@ REFUSED = {
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     **dict.fromkeys(  # experts
-        ["afmoe", "dbrx", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1", "llama4_text",
+        ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
+         "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
