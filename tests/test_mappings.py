@@ -38,8 +38,11 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # Qwen3.5-MoE vision-language: Qwen3_5MoeModel's token-embedding gradient at ws 4, 1.70e-4 in fp32 (the image
 # features through the Gated DeltaNet's float32 kernel and the routed experts; its forward is 4.6e-5, a declared
 # tolerance), the fp64 check of the same case within its bound
+# granite_speech(_plus): the Conformer encoder (BatchNorm, Shaw positions, a CTC softmax fed back into the stream)
+# and the Q-Former amplify fp32 rounding into the language model: 1.07e-4 on language_model.layers.1 k_proj at
+# ws 2; the same cases' fp64 gradients pass the 1e-6 bound
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
-              "qwen3_5_moe": 10}
+              "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,

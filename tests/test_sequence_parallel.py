@@ -41,6 +41,9 @@ REFUSED = {
          "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral",
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
+    # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
+    # convolution along the frames)
+    **dict.fromkeys(["granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
