@@ -230,7 +230,7 @@ def refused_case(ref: str, class_name: str) -> dict:
         return {"error": type(e).__name__, "message": str(e), "at": "apply",
                 "untouched": same_signature(before, state_signature(model))}
     try:
-        sp(**verify.example_inputs(sp, seq=8))
+        sp(**verify.example_inputs(sp, verify.resolve(ref).mapping.verify[0].inputs, seq=8))  # Whisper-like inputs
     except tpmap.TpmapError as e:
         return {"error": type(e).__name__, "message": str(e), "at": "forward", "untouched": None}
     return {"error": None, "message": "", "at": None, "untouched": False}

@@ -25,6 +25,8 @@ SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longfo
 REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
+    # Qwen3-ASR's audio encoder packs every audio's frames into one (N, H) sequence: raised at the first forward
+    **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
