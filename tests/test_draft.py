@@ -79,7 +79,11 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # the mapping's default_config (is_decoder, for the causal LM) cannot build the masked LM
                    "reformer": "building ReformerForMaskedLM from the tiny config failed",
                    # its class is registered only as image-text-to-text, which the drafter does not search
-                   "shieldgemma2": "no model class of transformers is registered for model_type 'shieldgemma2'"}
+                   "shieldgemma2": "no model class of transformers is registered for model_type 'shieldgemma2'",
+                   # vision-language configs whose text settings live in text_config: the causal-LM class the
+                   # drafter builds reads config.vocab_size at the top level
+                   "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
+                   "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)

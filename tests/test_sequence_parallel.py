@@ -26,7 +26,7 @@ REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
     **dict.fromkeys(  # a Pixtral tower packs a batch's images into one sequence (1, all patches, H)
-        ["lighton_ocr", "mistral3"], "not batch first"),
+        ["lighton_ocr", "mistral3", "pixtral"], "not batch first"),
     # Qwen3-ASR's audio encoder packs every audio's frames into one (N, H) sequence: raised at the first forward
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
