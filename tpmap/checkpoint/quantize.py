@@ -174,9 +174,9 @@ def _quantize(local: torch.Tensor, kind: Kind, config, group) -> torch.Tensor:
     if kind != "slice":  # widen by the whole block's range: [local | min | max], (out_r, in_r + 2)
         low, high = (local.amin(1, keepdim=True), local.amax(1, keepdim=True)) if kind == "rows" else (
             local.amin().reshape(1, 1), local.amax().reshape(1, 1))
-        low, high = low.float(), high.float()
-        dist.all_reduce(low, dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(high, dist.ReduceOp.MAX, group=group)
+        extremes = torch.cat([-low.float(), high.float()], dim=1)  # one all-reduce: max(-x) is -min(x)
+        dist.all_reduce(extremes, dist.ReduceOp.MAX, group=group)
+        low, high = -extremes[:, :1], extremes[:, 1:]
         n = local.shape[0]
         local = torch.cat([local, low.to(local.dtype).expand(n, 1), high.to(local.dtype).expand(n, 1)], dim=1)
     linear = nn.Linear(local.shape[1], local.shape[0], bias=False, device=local.device, dtype=local.dtype)
