@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import checkpoint_cases as cases
@@ -228,6 +229,29 @@ def test_experts_are_read_lazily_and_the_whole_conversion_fallback_gives_the_sam
         assert len(r["warnings"]) == 2, r["warnings"]
         assert "transformers' MergeModulelist, Concatenate;" in r["warnings"][0], r["warnings"]
         assert r["read"] > lazy[0]["MixtralForCausalLM"]["read"]  # the fallback reads whole experts
+
+
+def test_experts_stored_transposed_as_on_the_hub_are_read_as_transformers_reads_them(ranks, checkpoint, tmp_path):
+    """Qwen3-VL-MoE's experts pass through ``Transpose(1, 2, check_dims=True)``, which transposes only a
+    tensor whose shape is not the model's. Stored transposed (the Hub layout), down_proj [E, I, H] is
+    transposed back, read lazily; the square gate_up_proj [E, 2I, H] with 2I == H is kept as stored, as
+    transformers keeps it (a probe, never of the model's shape, would transpose it: the rows it chose were
+    wrong). Each rank still reads only its slices."""
+    folder = tmp_path / "hub-layout"
+    shutil.copytree(checkpoint("qwen3_vl_moe"), folder)
+    shapes = set()
+    for path in folder.glob("*.safetensors"):  # 64 KB shards
+        tensors = load_file(path)
+        experts = [k for k in tensors if ".mlp.experts." in k]
+        shapes |= {tuple(tensors[k].shape[1:]) for k in experts}
+        save_file({k: v.transpose(1, 2).contiguous() if k in experts else v for k, v in tensors.items()}, path,
+                  metadata={"format": "pt"})
+    assert shapes == {(96, 96), (96, 48)}, shapes  # the square case is there
+    for rank, r in enumerate(ranks(4).run(cases.from_pretrained_equals_apply, str(folder),
+                                          ["Qwen3VLMoeForConditionalGeneration"], gap_bytes=0)):
+        r = r["Qwen3VLMoeForConditionalGeneration"]
+        assert r["differ"] == [] and r["differ_reference"] == [], (rank, r["differ"][:5], r["differ_reference"][:5])
+        assert 0 < r["read"] <= r["kept"], (rank, r["read"], r["kept"])
 
 
 def test_a_conversion_that_cannot_be_sliced_falls_back_with_a_warning(ranks, tmp_path):

@@ -13,7 +13,11 @@ origin (which stored tensor, which index along one of its dims) and learns, for 
 target's split dim, which rows of which stored tensors it is made of. The rank then reads only those
 rows and runs the converter on them; the probes, run the same way on just those rows, must come out
 as exactly the rank's slice in its order, or the conversion is not read lazily. Probes run twice with shifted values:
-an op that computes with values (a dequantization, a scale) is refused, not guessed. A conversion that
+an op that computes with values (a dequantization, a scale) is refused, not guessed. A converter that decides by
+the input's shape (transformers' ``Transpose(check_dims=True)`` transposes only when the stored shape is not the
+model's, so a square tensor stays as stored) may run other ops on a probe than on the real tensor: the torch ops
+the probe runs must be the ops the converter runs on the stored shapes (meta tensors, `_trace`), or the
+conversion is not read lazily. A conversion that
 cannot be sliced so -- e.g. one chunked into several differently split targets (q|k|v) -- falls back
 to `Reader` converting the whole tensor and slicing it (`engine.shard.take`): one full converted tensor
 (and its sources) in memory at a time, said once per converter in a warning. `benchmarks/load.py
@@ -49,6 +53,7 @@ class Source:
     stored: list[tuple[str, StoredTensor]] = field(default_factory=list)  # (source pattern, tensor), in order
     converter: object | None = None  # a transformers WeightConverter (template, never fed); None: stored as is
     produces: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # model tensor -> shape (None: unknown)
+    ops: tuple[str, ...] | None = None  # the torch ops the converter runs on the stored shapes (None: unknown)
 
     def where(self) -> str:
         first = self.stored[0][1].where()
@@ -108,10 +113,16 @@ def _produces(source: Source, model) -> dict[str, tuple[int, ...] | None]:
     if source.converter is None:
         return {source.target: source.stored[0][1].shape}
     try:
-        out = _convert(source, [torch.empty(t.shape, dtype=t.dtype, device="meta") for _, t in source.stored], model)
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device="meta") for _, t in source.stored]
+        with _Trace() as trace:
+            out = _convert(source, tensors, model)
+        source.ops = tuple(trace.ops)
     except Exception as e:  # an op that needs values: the shapes are checked after converting instead
         logger.debug("cannot run %s on meta tensors: %s", source.converter, e)
         return {source.target: None}
+    if len(tensors) == 1 and list(out) == [source.target] and out[source.target] is tensors[0]:
+        source.converter = None  # it hands the stored tensor back as it is (a Transpose(check_dims) of a model-shaped one)
+        return {source.target: source.stored[0][1].shape}
     return {name: tuple(t.shape) for name, t in out.items()}
 
 
@@ -122,6 +133,18 @@ def _convert(source: Source, tensors: list[torch.Tensor], model) -> dict[str, to
         conv.add_tensor(source.target, stored.name, pattern, tensor)
     out = conv.convert(source.target, model=model, config=model.config)
     return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
+
+
+class _Trace(torch.overrides.TorchFunctionMode):
+    """Records the names of the torch functions and tensor methods run inside it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
@@ -284,11 +307,12 @@ def _libc():
 _LIBC = _libc()
 
 
-def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model) -> torch.Tensor | None:
+def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model, ops=None) -> torch.Tensor | None:
     """The converter's output `name` for probe inputs: stored tensor k (in order) becomes a float64
     tensor of size 1 in every dim but `dim`, valued k * _BIG + its index along `dim` (+ shift); with
     `dim` None, size 1 everywhere, valued k * _BIG. ``rows[k]`` (when rows is given): the indices of
-    tensor k to keep, or None for all; an empty list leaves tensor k out. None if the ops fail."""
+    tensor k to keep, or None for all; an empty list leaves tensor k out. None if the ops fail, or if `ops`
+    is given and the converter runs other torch ops on the probes."""
     tensors, kept = [], []
     for k, (pattern, stored) in enumerate(source.stored):
         keep = None if rows is None else rows[k]
@@ -302,9 +326,13 @@ def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model
         tensors.append((torch.tensor(index, dtype=torch.float64) + k * _BIG + shift).reshape(shape))
         kept.append((pattern, stored))
     try:
-        out = _convert(Source(source.target, kept, source.converter), tensors, model)
+        with _Trace() as trace:
+            out = _convert(Source(source.target, kept, source.converter), tensors, model)
     except Exception as e:  # the ops refuse these shapes: not sliceable this way
         logger.debug("probe of %s along dim %s failed: %s", name, dim, e)
+        return None
+    if ops is not None and tuple(trace.ops) != ops:  # the converter decides by shape: a probe is not the real thing
+        logger.debug("probe of %s along dim %s runs %s, the stored shapes %s", name, dim, trace.ops, ops)
         return None
     result = out.get(name)
     return result if isinstance(result, torch.Tensor) and result.dtype == torch.float64 else None
@@ -313,12 +341,13 @@ def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model
 def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -> _Lazy | None:
     """A `_Lazy` for this rank's slice of the converted tensor `name`, or None if the conversion cannot
     be sliced (see the module docstring)."""
-    if len(source.produces) != 1 or any(len(t.shape) != len(source.stored[0][1].shape) for _, t in source.stored):
+    if len(source.produces) != 1 or source.ops is None or any(
+            len(t.shape) != len(source.stored[0][1].shape) for _, t in source.stored):
         return None
     d, want = shard.dim, shard.indices(rank)
     full_shape = shard.full_shape
     for dim in (None, *range(len(source.stored[0][1].shape))):
-        full = _probe(source, name, dim, None, 0.0, model)
+        full = _probe(source, name, dim, None, 0.0, model, source.ops)
         if full is None or full.dim() != len(full_shape) or full.shape[d] != full_shape[d] or any(
                 full.shape[i] not in (1, full_shape[i]) for i in range(len(full_shape))):
             continue
@@ -342,10 +371,32 @@ def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -
             reads.append(_ranges(needed) if needed else None)
         if all(r is None for r in reads):
             continue
-        sliced = _probe(source, name, dim, rows, 0.0, model)
+        ops = _meta_ops(source, dim, rows, model)  # what the converter runs on the rows the rank reads
+        sliced = _probe(source, name, dim, rows, 0.0, model, ops) if ops is not None else None
         if sliced is not None and sliced.shape == chosen.shape and torch.equal(sliced, chosen):
             return _Lazy(dim, tuple(reads))
     return None
+
+
+def _meta_ops(source: Source, dim: int, rows: list, model) -> tuple[str, ...] | None:
+    """The torch ops the converter runs on meta tensors shaped as the rows `rows[k]` of each stored tensor
+    along `dim` (None: all of them; empty: tensor left out), or None if it fails on them."""
+    tensors, kept = [], []
+    for keep, (pattern, stored) in zip(rows, source.stored):
+        if keep is not None and len(keep) == 0:
+            continue
+        shape = list(stored.shape)
+        if keep is not None:
+            shape[dim] = len(keep)
+        tensors.append(torch.empty(shape, dtype=stored.dtype, device="meta"))
+        kept.append((pattern, stored))
+    try:
+        with _Trace() as trace:
+            _convert(Source(source.target, kept, source.converter), tensors, model)
+    except Exception as e:
+        logger.debug("%s on the rows read along dim %s fails on meta tensors: %s", source.target, dim, e)
+        return None
+    return tuple(trace.ops)
 
 
 def _ranges(indices: list[int]) -> tuple[tuple[int, int], ...]:

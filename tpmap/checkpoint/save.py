@@ -97,7 +97,7 @@ def save_pretrained(model: nn.Module, save_directory, *, group=None, **hf_kwargs
         for names in groups:
             gathered = {n: _gather(model, n, layout[n], plan, group) for n in names}
             if rank == 0:
-                converted = _revert(model, gathered) if revert else gathered
+                converted = _revert(model, gathered, layout) if revert else gathered
                 for out_name, tensor in converted.items():
                     writers[files[out_name]].write(out_name, tensor)
             del gathered
@@ -194,10 +194,29 @@ def _conversion_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _revert(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _revert(model: nn.Module, tensors: dict[str, torch.Tensor], layout: dict) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, tensors)
+    return revert_weight_conversion(_Unsharded(model, layout), tensors)
+
+
+class _Unsharded:
+    """The sharded model as transformers' reverse conversion must see it: its parameters at their full
+    shapes (meta tensors from `layout`), everything else the model's own. A converter may decide by the
+    model parameter's shape -- ``Transpose(check_dims=True)`` transposes only a tensor whose shape is not the
+    parameter's -- and a rank's slice would make it transpose what the unsharded model keeps as is."""
+
+    def __init__(self, model: nn.Module, layout: dict):
+        self._model, self._layout = model, layout
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        if name in self._layout:
+            shape, dtype = self._layout[name][:2]
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return self._model.get_parameter(name)
+
+    def __getattr__(self, attr):
+        return getattr(self._model, attr)
 
 
 def _outputs(model, layout, groups, revert: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -205,7 +224,7 @@ def _outputs(model, layout, groups, revert: bool) -> dict[str, tuple[tuple[int, 
     out = {}
     for names in groups:
         meta = {n: torch.empty(layout[n][0], dtype=layout[n][1], device="meta") for n in names}
-        for name, t in (_revert(model, meta) if revert else meta).items():
+        for name, t in (_revert(model, meta, layout) if revert else meta).items():
             out[name] = (tuple(t.shape), t.dtype)
     return out
 
