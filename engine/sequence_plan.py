@@ -39,6 +39,10 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
 * In a one-stack model, other block arguments shaped like the hidden states, (B, T, F), are split with
   them (Gemma 4's per-layer inputs), and gathered back with them where a module runs on the whole
   sequence. Not with several stacks: there a (B, T, F) argument may be the encoder's output, whole.
+* Sibling ModuleLists holding Columns under one parent (XLM's ``attentions`` and ``ffns``, Qwen3-VL's
+  ``blocks`` and ``deepstack_merger_list``) are refused: the model's loop interleaves their items, so no one
+  of them is a stack whose first input could be split and last output gathered. Stacks of their own
+  (an encoder's, a decoder's) have different parents.
 * A per-head embedding Column (T5's relative position bias) inside a gathered parent is looked up for
   the whole sequence, as in plain TP. Parents that are items of a ModuleList/ModuleDict (experts) are
   refused: they are called with the tokens routed to them.
@@ -99,6 +103,14 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
     if len(holding) == 1:  # other ModuleLists hold no Column (Gemma 3n's AltUp projections): not blocks
         blocks = [b for b in blocks if b.rpartition(".")[0] in holding]
     stacks = sorted({b.rpartition(".")[0] for b in blocks})
+    siblings: dict[str, list[str]] = {}
+    for s in sorted(holding):
+        siblings.setdefault(s.rpartition(".")[0], []).append(s)
+    for parent, lists in siblings.items():
+        if len(lists) > 1:  # an encoder's and a decoder's stacks have parents of their own
+            raise _refuse(parent or type(model).__name__, f"its split modules sit in sibling ModuleLists "
+                          f"({', '.join(lists)}) whose items the model's own loop interleaves; sequence "
+                          "parallelism splits the input of one stack of whole blocks and gathers its output")
     if not stacks:
         raise _refuse(type(model).__name__, "it has no stack of repeated blocks (a ModuleList of layers) whose "
                       "first input could be split and last output gathered")

@@ -55,7 +55,10 @@ REFUSED = {
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["glm46v", "glm4v", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"], "not hidden states (B, T, H)"),
+        ["glm46v", "glm4v", "qwen2_5_vl", "qwen2_vl"], "not hidden states (B, T, H)"),
+    # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
+    # tower's blocks / DeepStack mergers
+    **dict.fromkeys(["flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
 }
 
 
