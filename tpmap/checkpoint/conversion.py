@@ -121,7 +121,7 @@ def _produces(source: Source, model) -> dict[str, tuple[int, ...] | None]:
         logger.debug("cannot run %s on meta tensors: %s", source.converter, e)
         return {source.target: None}
     if len(tensors) == 1 and list(out) == [source.target] and out[source.target] is tensors[0]:
-        source.converter = None  # it hands the stored tensor back as it is (a Transpose(check_dims) of a model-shaped one)
+        source.converter = None  # it hands the stored tensor back as is (Transpose(check_dims), model-shaped)
         return {source.target: source.stored[0][1].shape}
     return {name: tuple(t.shape) for name, t in out.items()}
 
