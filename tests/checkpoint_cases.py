@@ -220,21 +220,28 @@ def fails_on_one_rank(folder: str) -> dict:
     return {"error": error}
 
 
-def fused_qkv(folder: str) -> dict:
+def fused_qkv(folder: str, lazy: bool) -> dict:
     """A checkpoint whose q, k, v are one stored tensor, split by a (registered) transformers Chunk
-    conversion: one stored tensor makes three differently split targets, so tpmap converts it whole
-    (the fallback) -- and still equals apply on transformers' load, with a warning saying so."""
+    conversion: one stored tensor makes three targets. Lazily each rank reads only its rows of each
+    (a selection of stored rows, no gap read); with lazy conversions off it converts the whole tensor
+    (the fallback), with a warning. Both equal apply on transformers' load."""
     from transformers import conversion_mapping
     from transformers.core_model_loading import Chunk, WeightConverter
+
+    from tpmap.checkpoint import conversion
+    from tpmap.engine import slice_io
 
     conversion_mapping.register_checkpoint_conversion_mapping("LlamaForCausalLM", [WeightConverter(
         "self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
         operations=[Chunk(dim=0)])], overwrite=True)
+    saved = slice_io.GAP_BYTES
+    conversion.LAZY_CONVERSIONS, slice_io.GAP_BYTES = lazy, 0
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = _equals_apply(folder, "LlamaForCausalLM", None, dist.get_world_size(), {})
     finally:
+        conversion.LAZY_CONVERSIONS, slice_io.GAP_BYTES = True, saved
         conversion_mapping._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM")
         conversion_mapping.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")
     result["warnings"] = [str(w.message) for w in caught if "tpmap" in str(w.message)]

@@ -254,9 +254,10 @@ def test_experts_stored_transposed_as_on_the_hub_are_read_as_transformers_reads_
         assert 0 < r["read"] <= r["kept"], (rank, r["read"], r["kept"])
 
 
-def test_a_conversion_that_cannot_be_sliced_falls_back_with_a_warning(ranks, tmp_path):
+def test_a_chunked_fused_tensor_is_read_row_by_row_and_the_fallback_gives_the_same_bits(ranks, tmp_path):
     """q, k, v stored as one tensor and chunked by a transformers conversion (three targets, each split
-    its own way): converted whole, sliced, the same bits as transformers + apply."""
+    its own way): each rank reads only its rows of each, no more than it keeps; converted whole and
+    sliced (lazy conversions off), the same bits as transformers + apply, with a warning."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.for_model("llama", **{**verify.resolve("llama").mapping.verify[0].config,
@@ -268,7 +269,10 @@ def test_a_conversion_that_cannot_be_sliced_falls_back_with_a_warning(ranks, tmp
         attn = f"model.layers.{layer}.self_attn."
         tensors[attn + "qkv_proj.weight"] = torch.cat([tensors.pop(attn + f"{x}_proj.weight") for x in "qkv"])
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    for r in ranks(2).run(cases.fused_qkv, str(tmp_path)):
+    for r in ranks(2).run(cases.fused_qkv, str(tmp_path), lazy=True):
+        assert r["differ"] == [] and r["differ_reference"] == [] and r["info_equal"], (r["differ"][:3], r["info"])
+        assert r["warnings"] == [] and 0 < r["read"] <= r["kept"], (r["warnings"], r["read"], r["kept"])
+    for r in ranks(2).run(cases.fused_qkv, str(tmp_path), lazy=False):
         assert r["differ"] == [] and r["info_equal"], (r["differ"][:3], r["info"])
         assert len(r["warnings"]) == 1 and "Chunk" in r["warnings"][0]
 

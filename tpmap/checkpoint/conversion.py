@@ -12,16 +12,19 @@ chunks, transposes): `_plan_lazy` runs the converter on small *probe* tensors wh
 origin (which stored tensor, which index along one of its dims) and learns, for every index of the
 target's split dim, which rows of which stored tensors it is made of. The rank then reads only those
 rows and runs the converter on them; the probes, run the same way on just those rows, must come out
-as exactly the rank's slice in its order, or the conversion is not read lazily. Probes run twice with shifted values:
-an op that computes with values (a dequantization, a scale) is refused, not guessed. A converter that decides by
-the input's shape (transformers' ``Transpose(check_dims=True)`` transposes only when the stored shape is not the
-model's, so a square tensor stays as stored) may run other ops on a probe than on the real tensor: the torch ops
-the probe runs must be the ops the converter runs on the stored shapes (meta tensors, `_trace`), or the
-conversion is not read lazily. A conversion that
-cannot be sliced so -- e.g. one chunked into several differently split targets (q|k|v) -- falls back
-to `Reader` converting the whole tensor and slicing it (`engine.shard.take`): one full converted tensor
-(and its sources) in memory at a time, said once per converter in a warning. `benchmarks/load.py
---whole-conversions` measures that path.
+as exactly the rank's slice in its order, or the conversion is not read lazily. Probes run twice with
+shifted values: an op that computes with values (a dequantization, a scale) is refused, not guessed.
+
+A converter may decide by the input's shape (transformers' ``Transpose(check_dims=True)`` transposes only
+a tensor whose shape is not the model's, so a square one stays as stored): the torch ops a probe runs must
+be the ops the converter runs on the stored shapes and on the rows read (`_Trace` on meta tensors), and a
+converter that hands a model-shaped tensor back as it is counts as no conversion.
+
+A one-to-many conversion that selects stored rows (a fused q|k|v chunked into three targets, each split
+its own way) is read as that selection (`_plan_selection`), without running the converter. A conversion
+that cannot be sliced either way falls back to `Reader` converting the whole tensor and slicing it
+(`engine.shard.take`): one full converted tensor (and its sources) in memory at a time, said once per
+converter in a warning. `benchmarks/load.py --whole-conversions` measures that path.
 """
 from __future__ import annotations
 
@@ -212,6 +215,9 @@ class Reader:
             return self._done(out)
         lazy = self._plan_for(name, source, shard, rank) if LAZY_CONVERSIONS else None
         if lazy is None:
+            picked = self._selection_for(name, source, shard, rank) if LAZY_CONVERSIONS else None
+            if picked is not None:
+                return self._done(self._read_selection(name, source, shard, rank, picked, dtype))
             self._warn_whole(name, source)
             out = take(self._converted(name), shard, rank)
             release_freed_memory()
@@ -273,6 +279,37 @@ class Reader:
                       f"{ops}; {why}, so every rank reads the whole tensor, converts it and keeps its slice (one full "
                       "converted tensor in memory at a time; benchmarks/load.py --whole-conversions measures it)",
                       stacklevel=2)
+
+    def _selection_for(self, name: str, source: Source, shard: ParamShard, rank: int) -> _Selection | None:
+        key = ("selection", id(source.converter), name, tuple(t.shape for _, t in source.stored), shard.full_shape,
+               shard.dim, shard.pieces[rank])
+        if key not in self._lazy:
+            self._lazy[key] = _plan_selection(source, name, shard, rank, self.model)
+        return self._lazy[key]
+
+    def _read_selection(self, name: str, source: Source, shard: ParamShard, rank: int, picked: _Selection,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """The rank's slice of a converted tensor that is a selection of stored rows: those rows read (sorted
+        runs of each stored tensor), put in the converter's order; the converter itself does not run."""
+        parts = []
+        for (_, stored), how in zip(source.stored, picked.reads):
+            if how is None:
+                continue
+            rows = ParamShard(name=stored.name, full_shape=stored.shape, dim=picked.dim, pieces=(how,))
+            if self.scale_of(stored) is not None:
+                part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
+            else:
+                part = read_local(stored.read_into, rows, 0, stored.dtype, self.scratch)
+            parts.append(part.to(dtype))
+        out = torch.cat(parts, dim=picked.dim) if len(parts) > 1 else parts[0]
+        out = out.index_select(picked.dim, picked.order)
+        del parts
+        pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
+        if pad:
+            shape = list(out.shape)
+            shape[shard.dim] = pad
+            out = torch.cat([out, out.new_zeros(shape)], dim=shard.dim)
+        return out.contiguous()
 
     def _plan_for(self, name: str, source: Source, shard: ParamShard, rank: int) -> _Lazy | None:
         key = (id(source.converter), name.rsplit(".", 1)[-1], tuple(t.shape for _, t in source.stored),
@@ -376,6 +413,86 @@ def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -
         if sliced is not None and sliced.shape == chosen.shape and torch.equal(sliced, chosen):
             return _Lazy(dim, tuple(reads))
     return None
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """One rank's slice of a converted tensor that is rows of the stored tensors along `dim` (every other
+    dim as stored): per stored tensor, None or the sorted runs of rows to read; `order` puts the rows
+    read (concatenated in stored order) in the converter's order."""
+    dim: int
+    reads: tuple
+    order: torch.Tensor
+
+
+_ORIGIN, _ROW = 2.0 ** 40, 2.0 ** 8  # selection probe value = origin * _ORIGIN + row * _ROW + position in other dims
+
+
+def _plan_selection(source: Source, name: str, shard: ParamShard, rank: int, model) -> _Selection | None:
+    """A `_Selection` when the converter's output `name` is a selection of stored rows along the split dim
+    (a one-to-many ``Chunk`` of fused q|k|v, an ``Interleave`` then ``Chunk``), else None.
+
+    One probe per stored tensor k, full along the split dim d and 2 wide (1 where the tensor is) in every
+    other dim, valued k * 2**40 + row * 2**8 + its flat position in the other dims: the output must keep
+    every other dim exactly (same positions, same order), and each of its rows along d must be one stored
+    row. Run again with shifted values it must shift (no arithmetic), and it must run the torch ops the
+    converter runs on the stored shapes."""
+    d = shard.dim
+    ndim = len(shard.full_shape)
+    if source.ops is None or any(len(t.shape) != ndim for _, t in source.stored) or ndim > 8:
+        return None
+    shapes = [[n if i == d else min(n, 2) for i, n in enumerate(t.shape)] for _, t in source.stored]
+
+    def probe(shift: float) -> torch.Tensor | None:
+        tensors = []
+        for k, shape in enumerate(shapes):
+            other = [n for i, n in enumerate(shape) if i != d]
+            grid = torch.arange(math.prod(other), dtype=torch.float64).reshape(other).unsqueeze(d)
+            rows = torch.arange(shape[d], dtype=torch.float64).reshape([-1 if i == d else 1 for i in range(ndim)])
+            tensors.append(k * _ORIGIN + rows * _ROW + grid + shift)
+        try:
+            with _Trace() as trace:
+                out = _convert(source, tensors, model).get(name)
+        except Exception as e:
+            logger.debug("selection probe of %s failed: %s", name, e)
+            return None
+        if tuple(trace.ops) != source.ops or not isinstance(out, torch.Tensor) or out.dtype != torch.float64:
+            return None
+        return out
+
+    full = probe(0.0)
+    if full is None or full.dim() != ndim or full.shape[d] != shard.full_shape[d]:
+        return None
+    shifted = probe(_SHIFT)
+    if shifted is None or not torch.equal(shifted, full + _SHIFT):
+        return None  # the converter computes with the values
+    if any(full.shape[i] != min(shard.full_shape[i], 2) for i in range(ndim) if i != d):
+        return None  # the other dims must come out as stored (the probe is 2 wide there)
+    origin = torch.div(full, _ORIGIN, rounding_mode="floor")
+    row = torch.div(full - origin * _ORIGIN, _ROW, rounding_mode="floor")
+    position = full - origin * _ORIGIN - row * _ROW
+    other = [n for i, n in enumerate(full.shape) if i != d]
+    grid = torch.arange(math.prod(other), dtype=torch.float64).reshape(other).unsqueeze(d)
+    if not torch.equal(position, grid.expand_as(position)):
+        return None  # the converter moves elements within the other dims
+    along = [-1 if i == d else 1 for i in range(ndim)]
+    o = origin.movedim(d, 0).reshape(full.shape[d], -1)[:, 0]
+    r = row.movedim(d, 0).reshape(full.shape[d], -1)[:, 0]
+    if not (torch.equal(origin, o.reshape(along).expand_as(origin))
+            and torch.equal(row, r.reshape(along).expand_as(row))):
+        return None  # an output row mixes stored rows
+    want = torch.tensor(shard.indices(rank), dtype=torch.long)
+    o, r = o[want].long(), r[want].long()
+    reads, offset, where = [], 0, {}
+    for k in range(len(source.stored)):
+        needed = sorted(set(r[o == k].tolist()))
+        reads.append(_ranges(needed) if needed else None)
+        where.update({(k, i): offset + j for j, i in enumerate(needed)})
+        offset += len(needed)
+    if all(x is None for x in reads):
+        return None
+    order = torch.tensor([where[(int(k), int(i))] for k, i in zip(o, r)], dtype=torch.long)
+    return _Selection(d, tuple(reads), order)
 
 
 def _meta_ops(source: Source, dim: int, rows: list, model) -> tuple[str, ...] | None:
