@@ -28,8 +28,7 @@ PLAIN = ["gptj", "opt", "xglm", "biogpt", "ctrl", "gpt_neox_japanese", "roberta"
          "clip_text_model"]
 # not plain: what the draft cannot split (MoE experts, a short-conv mixer) stays whole, flagged, and the
 # rest verifies unedited. Hand-written mappings for some of them ship too; as for PLAIN, the drafter reads
-# nothing of those but a default_config, which the test checks they lack. xlm and ernie have no shipped
-# mapping.
+# nothing of those but a default_config, which the test checks they lack.
 NOT_PLAIN = ["llama4_text", "glm4_moe", "ernie4_5_moe", "lfm2", "ernie", "xlm"]
 
 
