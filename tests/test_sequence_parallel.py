@@ -44,8 +44,8 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames)
-    **dict.fromkeys(["granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
+    # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
+    **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
