@@ -16,6 +16,11 @@ GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 # fp64 logits: 1e-6, not ~1e-12, because some transformers norms compute in float32 whatever the dtype
 # (OLMo 2/3's q/k norms: measured 1.6e-7); most families measure <= 1e-14.
 LOGIT_RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+# fp64 bounds x factor for these families. Ovis2's vision tower RMSNorms compute in float32 inside an fp64 run, and
+# its visual head (LayerNorm + softmax over the visual vocabulary) amplifies that rounding: measured at ws 2 logits
+# 1.23e-6 and gradients 8.4e-6 (SP against the unsharded model and against plain TP alike), 4.3e-16 and 0.0 with
+# Ovis2RMSNorm keeping float64.
+LOOSE_SP_FP64 = {"ovis2": 10}
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longformer pads to a multiple of 10
 
@@ -106,9 +111,10 @@ def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
     for r in ranks(ws).run(sequence_parallel_cases.grad_case, ref, cls, dtype, SEQ[ws]):
         assert any(t % ws == 0 for t in r["block1_tokens_tp"]), r  # the case really exercises the split
         assert _split_as_expected(r["block1_tokens"], r["block1_tokens_tp"], ws), r
-        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] and r["logits_vs_tp"] <= LOGIT_RTOL[dtype], r
-        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[dtype], r
-        assert r["grad_vs_tp"] <= GRAD_RTOL[dtype], r
+        loose = LOOSE_SP_FP64.get(ref, 1) if dtype == torch.float64 else 1
+        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] * loose and r["logits_vs_tp"] <= LOGIT_RTOL[dtype] * loose, r
+        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[dtype] * loose, r
+        assert r["grad_vs_tp"] <= GRAD_RTOL[dtype] * loose, r
 
 
 @pytest.mark.parametrize("ref, cls, ws", GENERATORS, ids=[_id(c) for c in GENERATORS])
