@@ -30,8 +30,8 @@ SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longfo
 REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
-    **dict.fromkeys(  # a Pixtral tower packs a batch's images into one sequence (1, all patches, H)
-        ["lighton_ocr", "mistral3", "pixtral"], "not batch first"),
+    **dict.fromkeys(  # a Pixtral (HunYuan-VL) tower packs a batch's images into one sequence (1, all patches, H)
+        ["hunyuan_vl", "hunyuan_vl_vision", "lighton_ocr", "mistral3", "pixtral"], "not batch first"),
     # Qwen3-ASR's audio encoder packs every audio's frames into one (N, H) sequence: raised at the first forward
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
