@@ -60,7 +60,7 @@ REFUSED = {
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["glm46v", "glm4v", "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
+        ["glm46v", "glm4v", "glm_ocr", "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"],
         "not hidden states (B, T, H)"),
 }
 
