@@ -88,8 +88,10 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     full, tp, sp = _models(ref, class_name, dtype)
     declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
     # an image of seq - extra patches + the extra tokens: seq tokens (a tower whose verify config declares its
-    # pixel_values, already patchified as SigLIP2's, takes the declared inputs below)
-    if full.main_input_name == "pixel_values" and "pixel_values" not in declared:
+    # pixel_values already patchified, not as an image [B, C, H, W] -- SigLIP2's [B, patches, C * p * p] --, takes
+    # the declared inputs below)
+    patchified = "pixel_values" in declared and len(declared["pixel_values"].shape) != 4
+    if full.main_input_name == "pixel_values" and not patchified:
         c, (ph, pw) = full.config.num_channels, _patch(full.config)
         n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
         rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
