@@ -86,7 +86,12 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`)."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
-    if full.main_input_name == "pixel_values":  # an image of seq - extra patches + the extra tokens: seq tokens
+    declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
+    # an image of seq - extra patches + the extra tokens: seq tokens (a tower whose verify config declares its
+    # pixel_values already patchified, not as an image [B, C, H, W] -- SigLIP2's [B, patches, C * p * p] --, takes
+    # the declared inputs below)
+    patchified = "pixel_values" in declared and len(declared["pixel_values"].shape) != 4
+    if full.main_input_name == "pixel_values" and not patchified:
         c, (ph, pw) = full.config.num_channels, _patch(full.config)
         n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
         rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
@@ -94,7 +99,6 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:
-        declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
         seq = _room_for_token_runs(full, declared, seq)
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too

@@ -16,6 +16,11 @@ GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 # fp64 logits: 1e-6, not ~1e-12, because some transformers norms compute in float32 whatever the dtype
 # (OLMo 2/3's q/k norms: measured 1.6e-7); most families measure <= 1e-14.
 LOGIT_RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+# fp64 bounds x factor for these families. Ovis2's vision tower RMSNorms compute in float32 inside an fp64 run, and
+# its visual head (LayerNorm + softmax over the visual vocabulary) amplifies that rounding: measured at ws 2 logits
+# 1.23e-6 and gradients 8.4e-6 (SP against the unsharded model and against plain TP alike), 4.3e-16 and 0.0 with
+# Ovis2RMSNorm keeping float64.
+LOOSE_SP_FP64 = {"ovis2": 10}
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longformer pads to a multiple of 10
 
@@ -25,8 +30,8 @@ SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longfo
 REFUSED = {
     "fsmt": "not batch first",  # its hidden states are (T, B, H): raised at the first forward, as XLNet's
     "xlnet": "not batch first",
-    **dict.fromkeys(  # a Pixtral tower packs a batch's images into one sequence (1, all patches, H)
-        ["lighton_ocr", "mistral3", "pixtral"], "not batch first"),
+    **dict.fromkeys(  # a Pixtral (HunYuan-VL) tower packs a batch's images into one sequence (1, all patches, H)
+        ["hunyuan_vl", "hunyuan_vl_vision", "lighton_ocr", "mistral3", "pixtral"], "not batch first"),
     # Qwen3-ASR's audio encoder packs every audio's frames into one (N, H) sequence: raised at the first forward
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
@@ -47,7 +52,8 @@ REFUSED = {
     # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "olmo_hybrid",
+         "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
@@ -55,7 +61,8 @@ REFUSED = {
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["glm46v", "glm4v", "qwen2_5_vl", "qwen2_vl"], "not hidden states (B, T, H)"),
+        ["glm46v", "glm4v", "glm_ocr", "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl"],
+        "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
     **dict.fromkeys(["flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
@@ -108,9 +115,10 @@ def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
     for r in ranks(ws).run(sequence_parallel_cases.grad_case, ref, cls, dtype, SEQ[ws]):
         assert any(t % ws == 0 for t in r["block1_tokens_tp"]), r  # the case really exercises the split
         assert _split_as_expected(r["block1_tokens"], r["block1_tokens_tp"], ws), r
-        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] and r["logits_vs_tp"] <= LOGIT_RTOL[dtype], r
-        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[dtype], r
-        assert r["grad_vs_tp"] <= GRAD_RTOL[dtype], r
+        loose = LOOSE_SP_FP64.get(ref, 1) if dtype == torch.float64 else 1
+        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] * loose and r["logits_vs_tp"] <= LOGIT_RTOL[dtype] * loose, r
+        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[dtype] * loose, r
+        assert r["grad_vs_tp"] <= GRAD_RTOL[dtype] * loose, r
 
 
 @pytest.mark.parametrize("ref, cls, ws", GENERATORS, ids=[_id(c) for c in GENERATORS])
