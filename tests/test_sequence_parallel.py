@@ -40,7 +40,8 @@ REFUSED = {
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
-         "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral",
+         "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl",
+         "minimax_m3_vl_text", "mixtral",
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
