@@ -48,7 +48,7 @@ REFUSED = {
     # convolution along the frames)
     **dict.fromkeys(["granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+        ["bamba", "falcon_h1", "lfm2", "lfm3", "mamba2", "minicpmv4_6", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
