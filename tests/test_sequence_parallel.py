@@ -56,7 +56,7 @@ REFUSED = {
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["exaone4_5", "glm46v", "glm4v", "hyperclovax_vision_v2", "qwen2_5_vl", "qwen2_vl", "qwen3_vl",
+        ["exaone4_5", "glm46v", "glm4v", "glmga", "hyperclovax_vision_v2", "qwen2_5_vl", "qwen2_vl", "qwen3_vl",
          "video_llama_3", "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
 }
