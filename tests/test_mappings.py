@@ -55,7 +55,10 @@ LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "sw
 # the MoE's layer-0 conv1d weight, whose output enters the same float32 delta rule, 2.11e-6 (qwen3_5_moe), at ws 4.
 LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text": (r"\.linear_attn\.A_log$", 10),
               "olmo_hybrid": (r"\.linear_attn\.A_log$", 10), "qwen3_5": (r"\.linear_attn\.A_log$", 10),
-              "qwen3_5_moe": (r"\.linear_attn\.(A_log|conv1d\.weight)$", 10)}
+              "qwen3_5_moe": (r"\.linear_attn\.(A_log|conv1d\.weight)$", 10),
+              # MiniCPM-V 4.6's Qwen3.5 text model behind its image path, the same float32 delta rule: at ws 4
+              # A_log 6.33e-6, layer 0's in_proj_qkv weight 2.67e-6 and conv1d weight 2.54e-6 (feeding the rule)
+              "minicpmv4_6": (r"\.linear_attn\.(A_log|in_proj_qkv\.weight|conv1d\.weight)$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:

@@ -45,15 +45,16 @@ REFUSED = {
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
-         "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral",
+         "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl",
+         "minimax_m3_vl_text", "mixtral",
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
     # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "olmo_hybrid",
-         "qwen3_5", "qwen3_5_moe",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
+         "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
@@ -61,7 +62,8 @@ REFUSED = {
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["glm46v", "glm4v", "glm_ocr", "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl"],
+        ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
+         "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
