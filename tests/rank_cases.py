@@ -414,7 +414,10 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
         prompt[mask == 0] = 0
         kwargs["attention_mask"] = mask
     else:
-        prompt = verify.case_inputs(ref, verify_index, full)[full.main_input_name]
+        inputs = verify.case_inputs(ref, verify_index, full)
+        prompt = inputs.pop(full.main_input_name)
+        if "input_ids" in declared:  # a captioner led by pixel_values (BLIP-2, InstructBLIP): its prompt and inputs
+            kwargs.update(inputs)
     if cache is not None:
         kwargs["cache_implementation"] = cache
     fresh = copy.deepcopy(full)  # before generate: RecurrentGemma keeps its cache states on its modules

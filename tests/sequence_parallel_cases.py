@@ -72,7 +72,7 @@ def _patch(config) -> tuple[int, int]:
 def _extra_tokens(model, dtype: torch.dtype) -> int:
     """How many tokens a vision model's embeddings add to its patches (a CLS token: 1; SigLIP: 0), measured
     on a one-patch image: the first hidden state's length less one."""
-    c, (ph, pw) = model.config.num_channels, _patch(model.config)
+    c, (ph, pw) = getattr(model.config, "num_channels", 3), _patch(model.config)  # BLIP-2's tower: always 3
     with torch.no_grad():
         out = model(pixel_values=torch.zeros(1, c, ph, pw, dtype=dtype), interpolate_pos_encoding=True,
                     output_hidden_states=True)
@@ -87,18 +87,19 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
     declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
-    # an image of seq - extra patches + the extra tokens: seq tokens (a tower whose verify config declares its
-    # pixel_values already patchified, not as an image [B, C, H, W] -- SigLIP2's [B, patches, C * p * p] --, takes
-    # the declared inputs below)
+    # a vision model: an image of seq - extra patches + the extra tokens: seq tokens. A tower whose verify config
+    # declares its pixel_values already patchified, not as an image [B, C, H, W] (SigLIP2's [B, patches,
+    # C * p * p]), and a captioner led by pixel_values that declares its input_ids (BLIP-2) take the declared
+    # inputs below.
     patchified = "pixel_values" in declared and len(declared["pixel_values"].shape) != 4
-    if full.main_input_name == "pixel_values" and not patchified:
-        c, (ph, pw) = full.config.num_channels, _patch(full.config)
+    if full.main_input_name == "pixel_values" and not patchified and "input_ids" not in declared:
+        c, (ph, pw) = getattr(full.config, "num_channels", 3), _patch(full.config)  # BLIP-2's tower: always 3
         n = seq - _extra_tokens(full, dtype)  # a CLS token (CLIP, ViT) or none (SigLIP)
         rows = max(d for d in range(1, int(n ** 0.5) + 1) if n % d == 0)
         shape = (2, c, rows * ph, n // rows * pw)
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
-    else:
+    else:  # Whisper's input_features, a multimodal model's image inputs
         seq = _room_for_token_runs(full, declared, seq)
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
