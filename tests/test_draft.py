@@ -82,7 +82,9 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # vision-language configs whose text settings live in text_config: the causal-LM class the
                    # drafter builds reads config.vocab_size at the top level
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
-                   "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed"}
+                   "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed",
+                   # its config builds sub-configs from dicts that must name their model_type
+                   "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)
