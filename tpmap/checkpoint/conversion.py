@@ -378,7 +378,7 @@ def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model
 def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -> _Lazy | None:
     """A `_Lazy` for this rank's slice of the converted tensor `name`, or None if the conversion cannot
     be sliced (see the module docstring)."""
-    if len(source.produces) != 1 or source.ops is None or any(
+    if len(source.produces) != 1 or _stored_ops(source, model) is None or any(
             len(t.shape) != len(source.stored[0][1].shape) for _, t in source.stored):
         return None
     d, want = shard.dim, shard.indices(rank)
@@ -439,7 +439,7 @@ def _plan_selection(source: Source, name: str, shard: ParamShard, rank: int, mod
     converter runs on the stored shapes."""
     d = shard.dim
     ndim = len(shard.full_shape)
-    if source.ops is None or any(len(t.shape) != ndim for _, t in source.stored) or ndim > 8:
+    if _stored_ops(source, model) is None or any(len(t.shape) != ndim for _, t in source.stored) or ndim > 8:
         return None
     shapes = [[n if i == d else min(n, 2) for i, n in enumerate(t.shape)] for _, t in source.stored]
 
@@ -493,6 +493,14 @@ def _plan_selection(source: Source, name: str, shard: ParamShard, rank: int, mod
         return None
     order = torch.tensor([where[(int(k), int(i))] for k, i in zip(o, r)], dtype=torch.long)
     return _Selection(d, tuple(reads), order)
+
+
+def _stored_ops(source: Source, model) -> tuple[str, ...] | None:
+    """The torch ops the converter runs on the stored shapes (`Source.ops`, traced now for a Source that
+    `match_checkpoint_names` did not make)."""
+    if source.ops is None:
+        source.ops = _meta_ops(source, 0, [None] * len(source.stored), model)
+    return source.ops
 
 
 def _meta_ops(source: Source, dim: int, rows: list, model) -> tuple[str, ...] | None:
