@@ -272,9 +272,10 @@ class Parallelized:
         workers, which stay in step; KeyboardInterrupt stops them instead."""
         with self._turn():
             start = time.perf_counter()  # the round trip includes sending: the workers start after it
-            task = self._ranks.submit(fn, *args, **kwargs)
-            answers = self._ranks.answers(task, self._call_timeout, what)
-            try:
+            answers = None
+            try:  # a Ctrl-C while the call is still being sent stops the workers too
+                task = self._ranks.submit(fn, *args, **kwargs)
+                answers = self._ranks.answers(task, self._call_timeout, what)
                 while True:
                     try:
                         rank, payload = next(answers)
@@ -291,7 +292,8 @@ class Parallelized:
                 self._mark_broken(f"interrupted (KeyboardInterrupt) during {what}")
                 raise
             except BaseException:
-                drain(answers)
+                if answers is not None:
+                    drain(answers)
                 raise
             self.last_call = CallTiming(time.perf_counter() - start, tuple(o.seconds for o in outcomes))
         return self._judge(outcomes, what)
