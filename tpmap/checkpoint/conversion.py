@@ -226,25 +226,25 @@ class Reader:
         for (_, stored), how in zip(source.stored, lazy.reads):
             if how is None:
                 continue
-            rows = None if how == "all" else ParamShard(name=stored.name, full_shape=stored.shape, dim=lazy.dim,
-                                                        pieces=(how,))
-            if self.scale_of(stored) is not None:  # dequantized before the conversion, as transformers does
-                part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
-            elif rows is None:
-                part = read_whole(stored.read_into, stored.shape, stored.dtype)
-            else:
-                part = read_local(stored.read_into, rows, 0, stored.dtype, self.scratch)
-            parts.append(part.to(dtype))
+            parts.append(self._rows(stored, None if how == "all" else how, lazy.dim, dtype))
         kept = [st for st, how in zip(source.stored, lazy.reads) if how is not None]
         out = _convert(Source(source.target, kept, source.converter), parts, self.model)[name]
         del parts
         release_freed_memory()
-        pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
-        if pad:
-            shape = list(out.shape)
-            shape[shard.dim] = pad
-            out = torch.cat([out, out.new_zeros(shape)], dim=shard.dim)
+        out = _padded(out, shard, rank)
         return self._done(out.contiguous())
+
+    def _rows(self, stored: StoredTensor, runs, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """The runs of rows ((start, length), ...) along `dim` of a stored tensor (None: all of it), in `dtype`
+        on the CPU; block-quantized weights dequantized first, as transformers does before converting."""
+        rows = None if runs is None else ParamShard(name=stored.name, full_shape=stored.shape, dim=dim, pieces=(runs,))
+        if self.scale_of(stored) is not None:
+            part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
+        elif rows is None:
+            part = read_whole(stored.read_into, stored.shape, stored.dtype)
+        else:
+            part = read_local(stored.read_into, rows, 0, stored.dtype, self.scratch)
+        return part.to(dtype)
 
     def scale_of(self, stored: StoredTensor) -> StoredTensor | None:
         """The block scales of a quantized stored tensor (None: stored as its values)."""
@@ -295,20 +295,11 @@ class Reader:
         for (_, stored), how in zip(source.stored, picked.reads):
             if how is None:
                 continue
-            rows = ParamShard(name=stored.name, full_shape=stored.shape, dim=picked.dim, pieces=(how,))
-            if self.scale_of(stored) is not None:
-                part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
-            else:
-                part = read_local(stored.read_into, rows, 0, stored.dtype, self.scratch)
-            parts.append(part.to(dtype))
+            parts.append(self._rows(stored, how, picked.dim, dtype))
         out = torch.cat(parts, dim=picked.dim) if len(parts) > 1 else parts[0]
         out = out.index_select(picked.dim, picked.order)
         del parts
-        pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
-        if pad:
-            shape = list(out.shape)
-            shape[shard.dim] = pad
-            out = torch.cat([out, out.new_zeros(shape)], dim=shard.dim)
+        out = _padded(out, shard, rank)
         return out.contiguous()
 
     def _plan_for(self, name: str, source: Source, shard: ParamShard, rank: int) -> _Lazy | None:
@@ -317,6 +308,16 @@ class Reader:
         if key not in self._lazy:
             self._lazy[key] = _plan_lazy(source, name, shard, rank, self.model)
         return self._lazy[key]
+
+
+def _padded(out: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
+    """`out` with zero rows after it along the split dim up to the rank's local size (an uneven split's pad)."""
+    pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
+    if not pad:
+        return out
+    shape = list(out.shape)
+    shape[shard.dim] = pad
+    return torch.cat([out, out.new_zeros(shape)], dim=shard.dim)
 
 
 def release_freed_memory() -> None:
