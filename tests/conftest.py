@@ -9,7 +9,9 @@ meta models, golden lint cases, hypothesis properties) and, of those that do (FA
 whose model type (a `ref` or `model_type` parameter) is a representative family below and whose world
 size (a `ws` or `world_size` parameter) is 2. Tests marked `full` (torchrun examples, dp x tp,
 torch.compile, tests that start 3 or 4 ranks without a world-size parameter, the wrong-mapping cases
-beyond one per feature) run in the full tier only.
+beyond one per feature) run in the full tier only. Tests marked `per_family` run no rank but repeat a
+fraction of a second for every shipped mapping (a draft, a plan of a tiny model): the default tier keeps
+the representative families and the model types the marker names (`also=`), the full tier all of them.
 """
 from __future__ import annotations
 
@@ -82,6 +84,11 @@ def _full_only(item) -> bool:
     """True when `item` belongs to the full tier only."""
     if item.get_closest_marker("full"):
         return True
+    per_family = item.get_closest_marker("per_family")
+    if per_family is not None:
+        arch = _architecture(item)
+        assert arch is not None, f"{item.nodeid}: per_family needs a `ref` or `model_type` parameter"
+        return arch not in REPRESENTATIVE and arch not in per_family.kwargs.get("also", ())
     if not FAMILY_FIXTURES & set(item.fixturenames):
         return False  # no rank process, no checkpoint: always in the default tier
     params = _params(item)

@@ -92,8 +92,12 @@ KEEPS_DEFAULT_LAYERS = {"olmo_hybrid": "the tiny config of 'olmo_hybrid' is reje
 
 # and drafts that once rendered broken YAML or stretch the renderer: an empty nested config (mpt), nested
 # encoder/decoder configs (t5gemma), a plan with MoE and latent attention (deepseek_v3), ModuleDict experts
-@pytest.mark.parametrize("model_type", list(source.shipped_files()) + ["mpt", "t5gemma", "deepseek_v3",
-                                                                      "switch_transformers"])
+_DRAFT_REGRESSIONS = ("mpt", "t5gemma", "deepseek_v3", "switch_transformers")
+
+
+# the default tier keeps every case with its own expectation (a refusal, the default layer count) too
+@pytest.mark.per_family(also=(*_DRAFT_REGRESSIONS, *DRAFTER_REFUSES, *KEEPS_DEFAULT_LAYERS))
+@pytest.mark.parametrize("model_type", list(source.shipped_files()) + list(_DRAFT_REGRESSIONS))
 def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
     if model_type in DRAFTER_REFUSES:  # a clear DraftError, never a broken file
         with pytest.raises(DraftError, match=DRAFTER_REFUSES[model_type]):

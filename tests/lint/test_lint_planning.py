@@ -41,6 +41,7 @@ def test_collecting_finds_every_problem_and_the_first_is_what_apply_raises():
     assert str(raised.value) == str(errors[0]) and type(raised.value) is type(errors[0])
 
 
+@pytest.mark.per_family
 @pytest.mark.parametrize("model_type", sorted(source.shipped_files()))
 def test_clean_mapping_gives_the_same_plan_in_both_modes(model_type):
     model, loaded = tiny(model_type), source.for_model_type(model_type)
