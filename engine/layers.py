@@ -51,15 +51,27 @@ class ColumnParallelLinear(_TPModule):
     ``reverse``: the weight is stored [in, out_r] (transformers' Conv1D) instead of [out_r, in].
 
     Example (2 ranks): an nn.Linear(8, 6) becomes weight (3, 8) per rank; X (B, T, 8) -> Y_r (B, T, 3).
+    ``in_features`` / ``out_features`` are what this module reads and returns, as nn.Linear's (a model's
+    forward may reshape by them): 8 and 3 here, or 8 and 6 with gather_output.
     """
     shared_copy = None  # collectives.SharedCopy of the Columns of one module (engine.shard), else None
 
     def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
-                 copy_input=True):
+                 copy_input=True, gathered_features: int | None = None):
         super().__init__(group)
         self.weight, self.bias, self.reverse = weight, bias, reverse
         self.gather_output, self.copy_input = gather_output, copy_input
+        assert gathered_features is not None or not gather_output, "gather_output needs the full output width"
+        self.gathered_features = gathered_features  # the full output width, returned with gather_output
         self.register_buffer("gather_order", gather_order, persistent=False)
+
+    @property
+    def in_features(self) -> int:  # the full input width
+        return self.weight.shape[0 if self.reverse else 1]
+
+    @property
+    def out_features(self) -> int:  # this rank's output width, or the full one with gather_output
+        return self.gathered_features if self.gather_output else self.weight.shape[1 if self.reverse else 0]
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
         if self.seq is not None and self.seq.active:  # x: this rank's tokens, or all, gathered upstream
@@ -91,12 +103,21 @@ class RowParallelLinear(_TPModule):
     replicated, is added once after the reduce.
 
     Example (2 ranks): an nn.Linear(6, 8) becomes weight (8, 3) per rank; X_r (B, T, 3) -> Y (B, T, 8).
+    ``in_features`` / ``out_features`` are what this module reads and returns, as nn.Linear's: 3 and 8 here.
     """
     seq_closed = False  # sequence parallelism: this Row sits in a parent run on the whole sequence
 
     def __init__(self, weight, bias, *, reverse: bool, group):
         super().__init__(group)
         self.weight, self.bias, self.reverse = weight, bias, reverse
+
+    @property
+    def in_features(self) -> int:  # this rank's slice of the input width
+        return self.weight.shape[0 if self.reverse else 1]
+
+    @property
+    def out_features(self) -> int:  # the full output width (the partial products are summed)
+        return self.weight.shape[1 if self.reverse else 0]
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
         if self.seq is not None and self.seq.active and self.seq_closed:  # inside a closed parent (engine.sequence)

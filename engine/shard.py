@@ -119,7 +119,8 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         order = gather_order(ms.weight) if ms.gather_output else None
         order = order.to(weight.device) if order is not None else None  # the shard's device (old may be on meta)
         new = ColumnParallelLinear(weight, bias, reverse=ms.reverse, group=group,
-                                   gather_order=order, gather_output=ms.gather_output, copy_input=ms.copy_input)
+                                   gather_order=order, gather_output=ms.gather_output, copy_input=ms.copy_input,
+                                   gathered_features=ms.weight.full_shape[1 if ms.reverse else 0])
     else:
         new = RowParallelLinear(weight, bias, reverse=ms.reverse, group=group)
     new.train(old.training)

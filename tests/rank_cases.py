@@ -560,6 +560,16 @@ def post_apply_invariants(ref: str, class_name: str) -> dict:
         owner, _, value = resolve_attr(model.get_submodule(u.module), u.attribute)
         copies.append({"where": f"{u.module}.{u.attribute}", "per_rank": value == u.values[rank],
                        "own_copy": owner is not model.config if u.via_config else True})
+    # each parallel Linear reports the widths it reads and returns, as nn.Linear does (a model's forward may
+    # reshape by them): a tensor in_features wide goes in, one out_features wide comes out
+    widths = []
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear"):
+                dtype = next(m.parameters()).dtype
+                out = m(torch.ones(2, m.in_features, dtype=dtype))
+                widths.append({"module": name, "in": m.in_features, "out": m.out_features, "got": out.shape[-1],
+                               "gathers": getattr(m, "gather_output", False)})
     gathered = tpmap.full_state_dict(model)
     want = full.state_dict()
     saved = []
@@ -576,6 +586,9 @@ def post_apply_invariants(ref: str, class_name: str) -> dict:
         "state_names_equal": list(gathered) == list(want),
         "state_bit_equal": all(torch.equal(gathered[k], want[k]) for k in want),
         "local_smaller": sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters()),
+        "linears": len(widths),
+        "gathering_linears": sum(w["gathers"] for w in widths),
+        "bad_widths": [w for w in widths if w["got"] != w["out"]][:3],
     }
 
 

@@ -155,10 +155,13 @@ def test_invalid_expression_is_rejected_at_load():
 
 
 @pytest.mark.parametrize("ref,cls", [("phi3", "Phi3ForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
-                                     ("mixtral", "MixtralForCausalLM")])
+                                     ("mixtral", "MixtralForCausalLM"), ("fsmt", "FSMTForConditionalGeneration")])
 def test_after_a_successful_apply_the_shared_config_and_checkpoint_describe_the_original(ranks, ref, cls):
     for r in ranks(2).run(rank_cases.post_apply_invariants, ref, cls):
         assert r["shared_config_full"] and r["saved_config_full"], r
+        assert r["linears"] > 0 and not r["bad_widths"], r["bad_widths"]  # in_features / out_features as nn.Linear's
+        if ref == "fsmt":
+            assert r["gathering_linears"] > 0  # gather_output: the full width comes out
         assert r["copies_ok"], r["bad_copies"]
         assert r["state_names_equal"] and r["state_bit_equal"] and r["local_smaller"], r
         if ref == "phi3":
