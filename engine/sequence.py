@@ -86,6 +86,7 @@ class SequenceState:
         self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
         self.batches: dict[int, int | None] = {}  # per stack: the batch of the (sub-)model that runs it (`owner`)
         self._full_shape = torch.Size()  # (B, T) of the first block's input
+        self._stack_shapes: dict[int, torch.Size] = {}  # per stack: (B, T) of its first block's input, this forward
         # Other tensors shaped like this rank's tokens or the whole sequence are per-token inputs (split with the
         # hidden states) only in a one-stack model: in an encoder-decoder the decoder's blocks also take the
         # encoder's output, a different sequence that stays whole, which may have the same length by chance.
@@ -179,7 +180,7 @@ class SequenceState:
                     "cannot tell which dimension is the sequence. Apply without sequence_parallel for this model")
             self.active = self._active[stack] = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
-            self._full_shape = hidden.shape[:2]
+            self._full_shape = self._stack_shapes[stack] = hidden.shape[:2]
             self._shared = self._parent = None
             self._gathers, self._copies = set(), {}
             return put(split_to_sequence_region(hidden, self.group, SEQ_DIM) if self.active else hidden)
@@ -291,22 +292,43 @@ class SequenceState:
             rng.leave_sharded_region()
         return
 
+    def _gather_output(self, y: torch.Tensor, stack: int, active: bool) -> torch.Tensor:
+        """(B, T/ws, H) -> (B, T, H); backward: this rank's chunk (what follows is replicated)."""
+        if active:
+            y = gather_from_sequence_region(y, self.group, SEQ_DIM, reduce_grad=False)
+        if y.requires_grad and torch.is_grad_enabled():
+            y = _Mark.apply(y, self, stack, active)
+        return y
+
     def gather_last_output(self, stack: int):
         def hook(module, args, output):
             self._shared = self._parent = None
-
-            def gather(y):  # (B, T/ws, H) -> (B, T, H); backward: this rank's chunk (what follows is replicated)
-                if self.active:
-                    y = gather_from_sequence_region(y, self.group, SEQ_DIM, reduce_grad=False)
-                if y.requires_grad and torch.is_grad_enabled():
-                    y = _Mark.apply(y, self, stack, self.active)
-                return y
-
-            mapped = map_first_tensor(output, gather)
+            mapped = map_first_tensor(output, lambda y: self._gather_output(y, stack, self.active))
             if mapped is not None:
                 return mapped
             raise SequenceParallelError(f"sequence parallelism: the last block ({type(module).__name__}) returned "
                                         f"{type(output).__name__}, not hidden states (or a tuple starting with them)")
+        return hook
+
+    def gather_recorded_states(self, stack: int):
+        """A hook on each module enclosing stack `stack` (its ModuleList's parent up to the model): a returned
+        ModelOutput's recorded block outputs (``output_hidden_states=True``: ``hidden_states``,
+        ``encoder_hidden_states``, ...) hold this rank's tokens for every block but the last; they are
+        all-gathered as the last block's output is, before the model's own code reads them (Mllama's vision
+        encoder stacks intermediate layers' outputs) or returns them. The innermost enclosing module gathers;
+        the outer ones find them whole."""
+        def hook(module, args, output):
+            if not (self._active.get(stack) and isinstance(output, dict)):
+                return
+            batch, tokens = self._stack_shapes[stack]
+            local = (batch, tokens // self.ws)
+
+            def whole(y):
+                if isinstance(y, torch.Tensor) and y.dim() >= 2 and tuple(y.shape[:2]) == local:
+                    return self._gather_output(y, stack, True)
+                return y
+            for key in [k for k, v in output.items() if k.endswith("hidden_states") and isinstance(v, (tuple, list))]:
+                output[key] = type(output[key])(whole(y) for y in output[key])
         return hook
 
     # -- gradients of whole parameters ---------------------------------------------------------------------
@@ -402,6 +424,9 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, group) -> Sequ
                                                                            with_kwargs=True)
         model.get_submodule(first).register_forward_pre_hook(state.split_block_input(first, stack), with_kwargs=True)
         model.get_submodule(last).register_forward_hook(state.gather_last_output(stack))
+        parts = first.split(".")[:-2]  # the ModuleList's parent, then each module enclosing it up to the model
+        for n in range(len(parts), -1, -1):
+            model.get_submodule(".".join(parts[:n])).register_forward_hook(state.gather_recorded_states(stack))
     for name in sp.blocks:
         block = model.get_submodule(name)
         block.register_forward_pre_hook(state.split_side_inputs, with_kwargs=True)

@@ -52,6 +52,10 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
   crop or frame of the batch's images (LLaVA-NeXT's anyres crops, Video-LLaVA's frames), so its batch is its
   own input's, not the model input's.
 
+Block outputs a model records (``output_hidden_states=True``) hold this rank's tokens for every block but
+the last: each module enclosing a stack gathers those in its returned ModelOutput (`gather_recorded_states`),
+before the model's own code reads them or returns them.
+
 A forward whose sequence length is not a multiple of ws (a decode step of generate) runs as plain
 TP. Which kind a backward's gradients came from is recorded in the graph (`_Mark`), so the whole
 parameters' all-reduce follows it, per stack (an encoder input that divides and a decoder input that

@@ -80,10 +80,11 @@ def _extra_tokens(model, dtype: torch.dtype) -> int:
 
 
 def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq: int = 8, train: bool = False,
-              checkpointing: bool = False, decoder_seq: int | None = None) -> dict:
+              checkpointing: bool = False, decoder_seq: int | None = None, hidden_states: bool = False) -> dict:
     """Logits and one backward of a transformers loss: SP against the unsharded model and against plain TP.
     `train`: train mode with dropout 0 (exercises the dropout-region hooks); `checkpointing` implies it.
-    An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`)."""
+    An encoder-decoder's decoder gets `decoder_seq` tokens (default: `seq`). `hidden_states`: the forward
+    records every block's output (output_hidden_states=True), compared too, and the loss reads them all."""
     rank = dist.get_rank()
     full, tp, sp = _models(ref, class_name, dtype)
     declared = verify.resolve(ref).mapping.verify[0].inputs  # Whisper's input_features
@@ -115,12 +116,16 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
             m.train()
     if checkpointing:
         sp.gradient_checkpointing_enable()
-    outs = {}
+    outs, recorded = {}, {}
     for key, model in (("full", full), ("tp", tp), ("sp", sp)):
-        out = model(**inputs)
+        out = model(**inputs, **({"output_hidden_states": True} if hidden_states else {}))
         y = verify.main_output(out)
         outs[key] = y.detach()
-        (out.loss if has_labels else _weighted(y)).backward()
+        loss = out.loss if has_labels else _weighted(y)
+        if hidden_states:  # every recorded block output, in order: hidden_states, encoder_/decoder_hidden_states
+            recorded[key] = [h for k, v in out.items() if k.endswith("hidden_states") for h in v]
+            loss = loss + sum(_weighted(h) for h in recorded[key])
+        loss.backward()
     scale = outs["full"].abs().max().item()
     tp_grads = {n: p.grad for n, p in tp.named_parameters()}
     worst_tp = 0.0
@@ -135,7 +140,13 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     return {"logits_vs_full": (outs["sp"] - outs["full"]).abs().max().item() / scale,
             "logits_vs_tp": (outs["sp"] - outs["tp"]).abs().max().item() / scale,
             "grad_vs_full": report["worst_rel"], "grad_worst": report["worst_name"], "checked": report["checked"],
-            "grad_vs_tp": worst_tp, "block1_tokens": seen, "block1_tokens_tp": seen_tp, "seq": seq}
+            "grad_vs_tp": worst_tp, "block1_tokens": seen, "block1_tokens_tp": seen_tp, "seq": seq,
+            "hidden_states": len(recorded.get("sp", ())),
+            "hidden_shapes_equal": [tuple(h.shape) for h in recorded.get("sp", ())]
+            == [tuple(h.shape) for h in recorded.get("full", ())],
+            "hidden_vs_full": max((((a - b).abs().max() / b.abs().max()).item() for a, b
+                                   in zip(recorded.get("sp", ()), recorded.get("full", ())) if a.shape == b.shape),
+                                  default=0.0)}
 
 
 def generate_case(ref: str, class_name: str, prompt_len: int = 8, new_tokens: int = 12) -> dict:

@@ -153,6 +153,18 @@ def test_length_not_divisible_runs_as_plain_tp(ranks, case, ws):
         assert r["logits_vs_tp"] == 0.0 and r["grad_vs_full"] <= GRAD_RTOL[torch.float32], r
 
 
+@pytest.mark.parametrize("ref, cls", [("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM"),
+                                     ("t5", "T5ForConditionalGeneration")])
+def test_recorded_hidden_states_are_whole_with_their_gradients(ranks, ref, cls):
+    """output_hidden_states=True: every block's recorded output, not only the last, holds the whole sequence
+    (before, all but the last came back with this rank's tokens), and a loss that reads them gets the unsharded
+    gradients; an encoder-decoder's encoder_ and decoder_hidden_states alike."""
+    for r in ranks(2).run(sequence_parallel_cases.grad_case, ref, cls, torch.float64, 8, hidden_states=True):
+        assert r["hidden_states"] >= 3 and r["hidden_shapes_equal"], r
+        assert r["hidden_vs_full"] <= LOGIT_RTOL[torch.float64] and r["logits_vs_full"] <= LOGIT_RTOL[torch.float64], r
+        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[torch.float64], r
+
+
 @pytest.mark.parametrize("ref, cls", [("bart", "BartForConditionalGeneration"), ("t5", "T5ForConditionalGeneration")])
 def test_encoder_split_decoder_not_in_one_backward(ranks, ref, cls):
     """Encoder input 8 tokens (split), decoder 7 (plain TP), one loss: each stack's whole parameters follow
