@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,8 @@ class SequenceState:
         self.batch: int | None = None  # the model input's batch size (the first dimension of its first tensor)
         self.batches: dict[int, int | None] = {}  # per stack: the batch of the (sub-)model that runs it (`owner`)
         self._full_shape = torch.Size()  # (B, T) of the first block's input
-        self._stack_shapes: dict[int, torch.Size] = {}  # per stack: (B, T) of its first block's input, this forward
+        # per stack: the tensors its blocks passed on holding this rank's tokens, this forward (by id, not kept alive)
+        self._split_states: dict[int, weakref.WeakValueDictionary] = {}
         # Other tensors shaped like this rank's tokens or the whole sequence are per-token inputs (split with the
         # hidden states) only in a one-stack model: in an encoder-decoder the decoder's blocks also take the
         # encoder's output, a different sequence that stays whole, which may have the same length by chance.
@@ -180,10 +182,22 @@ class SequenceState:
                     "cannot tell which dimension is the sequence. Apply without sequence_parallel for this model")
             self.active = self._active[stack] = hidden.shape[SEQ_DIM] % self.ws == 0
             self.tokens = hidden.shape[0] * hidden.shape[SEQ_DIM]
-            self._full_shape = self._stack_shapes[stack] = hidden.shape[:2]
+            self._full_shape = hidden.shape[:2]
             self._shared = self._parent = None
             self._gathers, self._copies = set(), {}
-            return put(split_to_sequence_region(hidden, self.group, SEQ_DIM) if self.active else hidden)
+            self._split_states[stack] = weakref.WeakValueDictionary()
+            if not self.active:
+                return put(hidden)
+            split = split_to_sequence_region(hidden, self.group, SEQ_DIM)
+            self._split_states[stack][id(split)] = split  # recorded as the first hidden state
+            return put(split)
+        return hook
+
+    def note_block_output(self, stack: int):
+        """A hook on each block but a stack's last (gathered): its output holds this rank's tokens."""
+        def hook(module, args, output):
+            if self._active.get(stack):
+                map_first_tensor(output, lambda y: self._split_states[stack].__setitem__(id(y), y))
         return hook
 
     def split_side_inputs(self, module, args, kwargs):
@@ -320,11 +334,10 @@ class SequenceState:
         def hook(module, args, output):
             if not (self._active.get(stack) and isinstance(output, dict)):
                 return
-            batch, tokens = self._stack_shapes[stack]
-            local = (batch, tokens // self.ws)
+            split = self._split_states[stack]
 
-            def whole(y):
-                if isinstance(y, torch.Tensor) and y.dim() >= 2 and tuple(y.shape[:2]) == local:
+            def whole(y):  # only this stack's own split states: another stack's may have the same shape
+                if isinstance(y, torch.Tensor) and split.get(id(y)) is y:
                     return self._gather_output(y, stack, True)
                 return y
             for key in [k for k, v in output.items() if k.endswith("hidden_states") and isinstance(v, (tuple, list))]:
@@ -427,8 +440,13 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, group) -> Sequ
         parts = first.split(".")[:-2]  # the ModuleList's parent, then each module enclosing it up to the model
         for n in range(len(parts), -1, -1):
             model.get_submodule(".".join(parts[:n])).register_forward_hook(state.gather_recorded_states(stack))
+    stack_of = {name: i for name in sp.blocks for i, (first, _) in enumerate(sp.ends)
+                if name.rpartition(".")[0] == first.rpartition(".")[0]}
+    lasts = {last for _, last in sp.ends}
     for name in sp.blocks:
         block = model.get_submodule(name)
+        if name not in lasts:
+            block.register_forward_hook(state.note_block_output(stack_of[name]))
         block.register_forward_pre_hook(state.split_side_inputs, with_kwargs=True)
         block.register_forward_pre_hook(state.enter_block, with_kwargs=True)
         block.register_forward_hook(state.leave_block, always_call=True)  # also when it raises (rng.RegionGuard)

@@ -153,13 +153,17 @@ def test_length_not_divisible_runs_as_plain_tp(ranks, case, ws):
         assert r["logits_vs_tp"] == 0.0 and r["grad_vs_full"] <= GRAD_RTOL[torch.float32], r
 
 
-@pytest.mark.parametrize("ref, cls", [("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM"),
-                                     ("t5", "T5ForConditionalGeneration")])
-def test_recorded_hidden_states_are_whole_with_their_gradients(ranks, ref, cls):
+@pytest.mark.parametrize("ref, cls, decoder_seq", [("llama", "LlamaForCausalLM", None),
+                                                  ("bert", "BertForMaskedLM", None),
+                                                  ("t5", "T5ForConditionalGeneration", None),
+                                                  ("t5", "T5ForConditionalGeneration", 4)])
+def test_recorded_hidden_states_are_whole_with_their_gradients(ranks, ref, cls, decoder_seq):
     """output_hidden_states=True: every block's recorded output, not only the last, holds the whole sequence
     (before, all but the last came back with this rank's tokens), and a loss that reads them gets the unsharded
-    gradients; an encoder-decoder's encoder_ and decoder_hidden_states alike."""
-    for r in ranks(2).run(sequence_parallel_cases.grad_case, ref, cls, torch.float64, 8, hidden_states=True):
+    gradients; an encoder-decoder's encoder_ and decoder_hidden_states alike, also when the decoder's whole
+    states (4 tokens) are shaped like the encoder's split ones (8 / 2): each stack gathers only its own."""
+    for r in ranks(2).run(sequence_parallel_cases.grad_case, ref, cls, torch.float64, 8, decoder_seq=decoder_seq,
+                          hidden_states=True):
         assert r["hidden_states"] >= 3 and r["hidden_shapes_equal"], r
         assert r["hidden_vs_full"] <= LOGIT_RTOL[torch.float64] and r["logits_vs_full"] <= LOGIT_RTOL[torch.float64], r
         assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[torch.float64], r
