@@ -102,6 +102,7 @@ class Plan:
     inputs: tuple[InputSlice, ...] = ()  # forward arguments sliced by heads (Input entries)
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
     kept_whole: tuple[tuple[str, str, int], ...] = ()  # (pattern, reason, modules matched): a partial mapping
+    refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model
 
     @property
     def params(self) -> dict[str, ParamShard]:

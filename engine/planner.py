@@ -620,7 +620,8 @@ def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: li
                 updates=tuple(p.updates), source=loaded.source.path,
                 grad_allreduce=tuple(dict.fromkeys(grad_allreduce)), tensors=tuple(p.tensors),
                 reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
-                kept_whole=tuple(k for k in kept_whole if k[2]))
+                kept_whole=tuple(k for k in kept_whole if k[2]),
+                refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")
 
 
 def names_by_parameter(model: nn.Module) -> dict[int, list[str]]:

@@ -100,6 +100,8 @@ def _refuse(name: str, why: str) -> SequenceParallelError:
 def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
     """Check that `model` under `plan` can keep its inter-block activations split along the sequence,
     and say where the collectives go. Reads the model, changes nothing; raises SequenceParallelError."""
+    if plan.refuse_sequence_parallel:  # the mapping knows what these checks cannot see
+        raise _refuse(type(model).__name__, plan.refuse_sequence_parallel)
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
     blocks = [plan.base_prefix + b for b in block_prefixes(base)]
     column_names = [m.name for m in plan.modules if m.style == "column"]

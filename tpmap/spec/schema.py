@@ -608,6 +608,12 @@ class Mapping(_Strict):
         "per-head q/k norm applied to local heads): their gradients are summed over the ranks in backward; "
         "{module, params} names parameters of a module whose children are split (DiffLlama's lambdas)",
     )
+    refuse_sequence_parallel: str | None = Field(
+        None, min_length=20, description="why `sequence_parallel=True` cannot run this model although the engine's "
+        "own checks accept it (a block reads a per-token tensor in a layout tpmap does not split, such as Mllama's "
+        "[B, 1, T, 1] row mask): apply then refuses it with this reason before changing anything, instead of "
+        "failing at the first forward. The composing file's own field decides for a composed model"
+    )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
