@@ -136,12 +136,16 @@ def loss_kwargs(model: torch.nn.Module, inputs: dict) -> tuple[dict, bool]:
     if "SequenceClassification" in name:
         inputs["labels"] = torch.arange(inputs[model.main_input_name].shape[0]) % model.config.num_labels
         return inputs, True
-    if model.get_output_embeddings() is None:
+    head = model.get_output_embeddings()
+    if head is None:
         return inputs, False
     if getattr(model.config, "is_encoder_decoder", False):
         inputs["labels"] = inputs.pop("decoder_input_ids")
     else:
         inputs["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    # a token the head has no row for is no label (Mllama's embedding has 8 rows more than its LM head)
+    rows = getattr(head, "out_features", None) or head.weight.shape[0]
+    inputs["labels"] = inputs["labels"].masked_fill(inputs["labels"] >= rows, -100)
     return inputs, True
 
 
