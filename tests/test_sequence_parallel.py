@@ -53,7 +53,7 @@ REFUSED = {
     # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
@@ -61,7 +61,8 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
-         "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba2"],
+         "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu",
+         "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
