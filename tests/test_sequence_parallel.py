@@ -61,7 +61,7 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
-         "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu",
+         "glm_moe_dsa", "jamba", "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu",
          "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
