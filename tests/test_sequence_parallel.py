@@ -41,7 +41,7 @@ REFUSED = {
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
          "llama4_text",
-         "mellum", "phimoe", "qwen3_moe", "solar_open"],
+         "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
@@ -53,15 +53,16 @@ REFUSED = {
     # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
-         "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "zamba2"],
+        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
+         "glm_moe_dsa", "jamba", "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu",
+         "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
