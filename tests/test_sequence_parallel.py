@@ -55,7 +55,7 @@ REFUSED = {
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp_text", "recurrent_gemma"], "mixes neighbouring tokens"),
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma"], "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
