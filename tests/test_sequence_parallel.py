@@ -70,7 +70,7 @@ REFUSED = {
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
-    **dict.fromkeys(["flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
 }
 
 
