@@ -60,7 +60,7 @@ REFUSED = {
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
+        ["deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba", "hy_v4", "gemma3n_text", "glm4_moe_lite",
          "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
