@@ -38,6 +38,7 @@ REFUSED = {
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
+    "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
          "llama4_text",
