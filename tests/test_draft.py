@@ -83,6 +83,7 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # drafter builds reads config.vocab_size at the top level
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
                    "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed",
+                   "qwen4_exp": "building Qwen4ExpForCausalLM from the tiny config failed",
                    # its config builds sub-configs from dicts that must name their model_type
                    "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'"}
 

@@ -38,6 +38,7 @@ REFUSED = {
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
+    "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
          "llama4_text",
@@ -55,14 +56,15 @@ REFUSED = {
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma"],
+        "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
-         "glm_moe_dsa", "jamba", "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu",
-         "zamba2"],
+        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba",
+         "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "longcat_flash", "mamba", "minicpm3",
+         "reformer", "rwkv", "sarvam_mla", "youtu", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
@@ -71,7 +73,7 @@ REFUSED = {
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
-    **dict.fromkeys(["flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
 }
