@@ -58,6 +58,8 @@ REFUSED = {
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
+    # Idefics2's perceiver resampler: q_proj reads the learned latents (B, n_latents, H), not the tokens' stream
+    "idefics2": "does not take the hidden states as its first argument",
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
