@@ -71,6 +71,7 @@ def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:
 # exception or non-finite result it raises): the claim is proven only by that failure, not by any failure
 NOT_CHECKED_FAILS = {
     ("fsmt", "mha12", "grad_fp64"): r"^RuntimeError: value cannot be converted to type float without overflow",
+    ("blip", "mha12", "generate"): r"^ValueError: not enough values to unpack \(expected 4, got 2\)",
     ("kosmos-2", "mha12", "grad_fp64"): r"^RuntimeError: value cannot be converted to type float without overflow",
     ("xglm", "mha12", "grad_fp64"): r"^RuntimeError: value cannot be converted to type float without overflow",
     ("prophetnet", "ngram2", "grad_fp64"): r"^non-finite loss nan ",
