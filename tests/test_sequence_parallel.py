@@ -61,6 +61,7 @@ REFUSED = {
     # Idefics2's perceiver resampler: q_proj reads the learned latents (B, n_latents, H), not the tokens' stream
     "idefics2": "does not take the hidden states as its first argument",
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
+    "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["deepseek_v2", "deepseek_v3", "deepseek_v32", "falcon_mamba", "gemma3n_text", "glm4_moe_lite",
          "glm_moe_dsa", "jamba", "mamba", "minicpm3", "reformer", "rwkv", "zamba2"],
