@@ -58,7 +58,9 @@ LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text"
               "qwen3_5_moe": (r"\.linear_attn\.(A_log|conv1d\.weight)$", 10),
               # MiniCPM-V 4.6's Qwen3.5 text model behind its image path, the same float32 delta rule: at ws 4
               # A_log 6.33e-6, layer 0's in_proj_qkv weight 2.67e-6 and conv1d weight 2.54e-6 (feeding the rule)
-              "minicpmv4_6": (r"\.linear_attn\.(A_log|in_proj_qkv\.weight|conv1d\.weight)$", 10)}
+              "minicpmv4_6": (r"\.linear_attn\.(A_log|in_proj_qkv\.weight|conv1d\.weight)$", 10),
+              # MiniCPM-V 4.7: the same language model and float32 delta rule (ws 4: A_log 2.14e-6 in fp64)
+              "minicpmv4_7": (r"\.linear_attn\.(A_log|in_proj_qkv\.weight|conv1d\.weight)$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:

@@ -53,7 +53,7 @@ REFUSED = {
     # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
-        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
+        ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6", "minicpmv4_7",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"], "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
