@@ -55,12 +55,16 @@ REFUSED = {
     **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
+         "minicpmv4_7",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma"],
         "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
+    # Idefics2's perceiver resampler: q_proj reads the learned latents (B, n_latents, H), not the tokens' stream
+    "idefics2": "does not take the hidden states as its first argument",
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
+    "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba",
          "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "longcat_flash", "mamba", "minicpm3",
