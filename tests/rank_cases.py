@@ -336,7 +336,10 @@ def dropout_case(ref: str, verify_index: int, class_name: str, attention_dropout
         with torch.no_grad():
             eval_out = verify.main_output(model.eval()(**inputs))
         results[f"dropout_changed_output_{checkpointing}"] = not torch.allclose(out, eval_out)
-    results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    # relative to the largest gradient: the replay recomputes in fp32, where T5's large-init gradients differ by
+    # rounding (1.2e-6 absolute); a mask not replayed changes them by their own size
+    scale = max(g.abs().max().item() for g in grads[0].values())
+    results["checkpointing_same_grads"] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) / scale
     results["checkpointing_same_second_step"] = ((second_steps[0] - second_steps[1]).abs().max()
                                                  / second_steps[0].abs().max()).item()  # relative
     mask = sharded_masks[0] if sharded_masks else torch.zeros(0, dtype=torch.bool)

@@ -85,9 +85,13 @@ def test_dropout_keeps_replicated_activations_identical(ranks, case):
     for r in ranks(2).run(rank_cases.dropout_case, *case):
         assert r["dropout_changed_output_False"] and r["dropout_changed_output_True"]  # dropout was active
         assert r["ranks_agree_False"] and r["ranks_agree_True"]
-        assert r["checkpointing_same_grads"] <= 1e-6, r  # recomputation replayed the same masks
+        # the replay drew the same masks: the gradients agree to fp32 rounding, relative to the largest (T5's unscaled
+        # attention amplifies it: 3.2e-6 on this machine, the checkpointed forward's path rounds otherwise); another
+        # mask changes them by O(p)
+        assert r["checkpointing_same_grads"] <= 1e-5, (case, r["checkpointing_same_grads"])
         assert not r["open_after_backward_False"] and not r["open_after_backward_True"], r
-        assert r["checkpointing_same_second_step"] <= 1e-6, r  # and left no region open for the next step
+        # and left no region open for the next step (same bound: T5's outputs 1.22e-6 apart on this machine)
+        assert r["checkpointing_same_second_step"] <= 1e-5, (case, r["checkpointing_same_second_step"])
         assert r["sharded_masks_seen"] > 0 and r["sharded_masks_differ"], r  # each rank's heads, own mask
 
 
