@@ -58,8 +58,11 @@ def slow_forward(model, seconds: float) -> None:
 
 # -- a driver process -------------------------------------------------------------------------------
 def _driver(path: str, mode: str) -> None:
+    import faulthandler
+
     import tpmap
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds this driver hung asks where
     handle = tpmap.parallelize(path, 2, device="cpu")
     print(json.dumps({"driver": os.getpid(), "workers": handle.pids}), flush=True)
     if mode == "exit":

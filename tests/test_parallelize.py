@@ -266,7 +266,15 @@ def test_ctrl_c_in_the_driver_stops_the_workers(checkpoint):
         assert proc.stdout.readline() == "calling\n"
         time.sleep(1.0)  # inside generate: 200 forwards of 0.5 s each
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # hung (seen twice in CI under load, never alone): say where
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the driver did not finish within 30 s of Ctrl-C; its output: {out!r}; its stacks:\n"
+                        f"{err[-6000:]}")
     finally:
         proc.kill()
     report, after = (json.loads(line) for line in out.splitlines())
