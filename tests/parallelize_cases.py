@@ -70,6 +70,10 @@ def _driver(path: str, mode: str) -> None:
     if mode == "kill":
         signal.pause()  # until the test kills this process with SIGKILL
     handle.run(slow_forward, 0.5)
+    if mode == "ctrl-c-other-thread":  # the kernel may hand a process's SIGINT to any thread not blocking it:
+        import threading  # here it must go to a sleeping thread, the main thread waiting in the call meanwhile
+        threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     print("calling", flush=True)
     try:
         handle.generate(PROMPT, attention_mask=MASK, max_new_tokens=200)

@@ -319,8 +319,11 @@ class Ranks:
         try:
             while len(done) + len(failed) < self.world_size:
                 live = [r for r in range(self.world_size) if r not in done and r not in failed]
-                left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-                ready = wait([self._conns[r] for r in live] + [self._procs[r].sentinel for r in live], left)
+                left = math.inf if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                # in slices: a Ctrl-C that the kernel hands to another thread of this process (torch's) sets
+                # Python's flag without interrupting this wait; the main thread acts on it only between waits
+                ready = wait([self._conns[r] for r in live] + [self._procs[r].sentinel for r in live],
+                             min(left, SIGNAL_CHECK_S))
                 for r in live:
                     if self._conns[r] in ready or self._procs[r].sentinel in ready:
                         message = self._receive(r)
@@ -385,6 +388,9 @@ class Ranks:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+
+
+SIGNAL_CHECK_S = 0.25  # longest wait for a rank's message before Python's pending signals are handled
 
 
 class RankPool(Ranks):
