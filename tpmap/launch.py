@@ -236,6 +236,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SIGNAL_CHECK_S = 0.25  # longest wait for a rank's message before Python's pending signals are handled
+
+
 class Ranks:
     """``world_size`` spawned rank processes with ``torch.distributed`` initialised, taking tasks.
 
@@ -319,7 +322,7 @@ class Ranks:
         try:
             while len(done) + len(failed) < self.world_size:
                 live = [r for r in range(self.world_size) if r not in done and r not in failed]
-                left = math.inf if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                left = max(0.0, deadline - time.monotonic())  # inf without a timeout
                 # in slices: a Ctrl-C that the kernel hands to another thread of this process (torch's) sets
                 # Python's flag without interrupting this wait; the main thread acts on it only between waits
                 ready = wait([self._conns[r] for r in live] + [self._procs[r].sentinel for r in live],
@@ -388,9 +391,6 @@ class Ranks:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-
-
-SIGNAL_CHECK_S = 0.25  # longest wait for a rank's message before Python's pending signals are handled
 
 
 class RankPool(Ranks):
