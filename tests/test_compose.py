@@ -246,6 +246,74 @@ def test_values_inputs_need_one_value_per_element_of_the_last_dimension():
         verify.example_inputs(model, loaded.mapping.verify[0].inputs)
 
 
+def test_grid_inputs_hold_every_cells_coordinates_and_bool_inputs_are_true():
+    """`kind: grid` gives cell i of a [width, height] grid (i % width, i // width) in every row: Gemma 4's
+    image_position_ids for a 4 x 4 grid of patches, which its pooler averages 2 x 2 into 4 image tokens (a
+    grid of one repeated pair pools every patch into one token and the image-token count fails). `kind: bool`
+    is True everywhere (its audio frames' mask)."""
+    model = verify.build_model("gemma4", 1, "Gemma4ForConditionalGeneration")
+    inputs = verify.case_inputs("gemma4", 1, model)
+    grid = inputs["image_position_ids"]
+    assert tuple(grid.shape) == (2, 16, 2) and grid.dtype == torch.long and (grid[1] == grid[0]).all()
+    assert grid[0].tolist() == [[x, y] for y in range(4) for x in range(4)]
+    mask = inputs["input_features_mask"]
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (2, 32) and mask.all()
+    with torch.no_grad():
+        features = model.model.get_image_features(inputs["pixel_values"], grid).pooler_output
+    assert [tuple(f.shape) for f in features] == [(4, 64), (4, 64)]  # 16 patches pooled 2 x 2: 4 tokens per image
+
+
+def test_grid_inputs_need_two_sizes_and_a_shape_that_holds_the_grid():
+    base = mapping_text("gemma4_vision")
+    with pytest.raises(MappingErrors, match="kind: grid needs `grid: \\[width, height\\]`"):
+        source.load_text(replaced(base, "grid: [4, 4]", "grid: [16]"), "x.yaml")
+    with pytest.raises(MappingErrors, match="kind: grid needs"):
+        source.load_text(replaced(base, "kind: grid, grid: [4, 4]", "kind: values, values: [1, 2], grid: [4, 4]"),
+                         "x.yaml")
+    model = verify.build_model("gemma4_vision", 0, "Gemma4VisionModel")
+    loaded = source.load_text(replaced(base, "grid: [4, 4]", "grid: [4, 2]"), "x.yaml")  # the first config
+    with pytest.raises(MissingInputError, match="a 4 x 2 grid has 8 cells of \\(x, y\\), so its last two "
+                                                "dimensions are \\[8, 2\\], not \\[16, 2\\]"):
+        verify.example_inputs(model, loaded.mapping.verify[0].inputs)
+
+
+def test_a_model_without_input_ids_needs_its_inputs_declared():
+    """A tower whose forward takes no input_ids (Gemma 4's vision model: main_input_name left at input_ids) gets
+    no derived token ids: with nothing declared, the error says to declare its inputs."""
+    model = verify.build_model("gemma4_vision", 0, "Gemma4VisionModel")
+    assert model.main_input_name == "input_ids"  # the case: transformers' default, yet no such argument
+    inputs = verify.case_inputs("gemma4_vision", 0, model)
+    assert set(inputs) == {"pixel_values", "pixel_position_ids"}
+    with pytest.raises(MissingInputError, match=r"Gemma4VisionModel\.forward takes no input_ids"):
+        verify.example_inputs(model, {})
+
+
+def meta_gemma4(**sub_configs):
+    """Gemma 4's verify config with both towers (verify config 1) on the meta device, sub-configs replaced."""
+    spec = verify.resolve("gemma4").mapping.verify[1].config
+    config = transformers.AutoConfig.for_model("gemma4", **{**spec, **sub_configs})
+    with torch.device("meta"):
+        return transformers.Gemma4ForConditionalGeneration(config)
+
+
+def test_an_optional_sub_model_absent_from_the_config_composes_nothing(tmp_path):
+    """`optional: true`: a Gemma 4 checkpoint built without audio (audio_config null, no audio_tower) is mapped
+    by the same file, the text model and the vision tower split as with audio; without `optional` the absent
+    sub-config is an error at the compose item, as before."""
+    whole = tpmap.plan(meta_gemma4(), 2).params
+    assert any(n.startswith("model.audio_tower.layers.0.self_attn") for n in whole)
+    no_audio = tpmap.plan(meta_gemma4(audio_config=None), 2).params
+    assert not any("audio" in n for n in no_audio)
+    assert {n: p.dim for n, p in no_audio.items()} == {n: p.dim for n, p in whole.items() if "audio" not in n}
+    text_only = tpmap.plan(meta_gemma4(audio_config=None, vision_config=None), 2).params
+    assert text_only and all(n.startswith(("model.language_model.", "lm_head.")) for n in text_only)
+    path = write_mapping(tmp_path, "gemma4", replaced(mapping_text("gemma4"), "config: audio_config         "
+                                                      "# mappings/gemma4_audio.yaml\n    optional: true\n",
+                                                      "config: audio_config\n", once=True))
+    with pytest.raises(MappingError, match="has no sub-config 'audio_config'"):
+        tpmap.plan(meta_gemma4(audio_config=None), 2, mapping=path)
+
+
 def test_token_runs_that_do_not_fit_are_refused():
     ids = torch.zeros(2, 10, dtype=torch.long)
     mask = torch.ones(2, 10, dtype=torch.long)

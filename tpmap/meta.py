@@ -45,8 +45,21 @@ def _fewer_layers(config) -> dict:
             n = inner.get("num_hidden_layers")
             if n is not None and isinstance(whole.get("layer_types"), list):  # one kind per layer kept
                 inner["layer_types"] = whole["layer_types"][:n]
+            if n is not None:  # per-layer settings keyed by layer index (Gemma 4's per_layer_config)
+                inner |= {k: _first_layers(v, n) for k, v in whole.items() if _is_per_layer(k, v)}
             overrides[key] = {**whole, **inner}
     return overrides
+
+
+def _is_per_layer(key: str, value) -> bool:
+    """Whether a config value is a dict of settings keyed by layer index ({"11": {...}}) under a layer key."""
+    return ("layer" in key and isinstance(value, dict) and bool(value)
+            and all(str(k).lstrip("-").isdigit() for k in value))
+
+
+def _first_layers(per_layer: dict, n: int) -> dict:
+    """The entries of a per-layer dict for the first `n` layers (a negative index counts from the end: dropped)."""
+    return {k: v for k, v in per_layer.items() if 0 <= int(k) < n}
 
 
 def _layers_for_every_kind(config) -> int:

@@ -12,6 +12,7 @@ the order of float additions (partial sums per rank, then an all-reduce), which 
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -116,8 +117,14 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
         keep = place_runs(out, runs, mask, spare_id(config, vocab, tokens), name)
         return place_ids(out, [b for b in boundaries if b not in tokens], gen, mask, keep)
 
+    takes_ids = "input_ids" in inspect.signature(model.forward).parameters
+    if main == "input_ids" and not takes_ids and not declared:
+        raise MissingInputError(
+            f"{type(model).__name__}.forward takes no input_ids (and names no other main input): declare the inputs "
+            "it takes in the verify config, e.g. inputs: {pixel_values: {shape: [batch, ...], kind: float}}"
+        )
     inputs = {}
-    if main == "input_ids":
+    if main == "input_ids" and takes_ids:
         mask = _mask((batch, seq), pad)
         inputs["input_ids"] = ids("input_ids", (batch, seq), mask)
         inputs["attention_mask"] = mask
@@ -151,6 +158,15 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
                 raise MissingInputError(f"{name}: {len(row)} values for a last dimension of {shape[-1]} "
                                         f"(shape {shape}); give one value per element")
             inputs[name] = torch.tensor(row, dtype=torch.long).expand(shape).clone()
+        elif spec.kind == "grid":
+            width, height = (expr.evaluate(v, lookup) for v in spec.grid)
+            if shape[-2:] != (width * height, 2):
+                raise MissingInputError(f"{name}: a {width} x {height} grid has {width * height} cells of (x, y), "
+                                        f"so its last two dimensions are [{width * height}, 2], not {list(shape[-2:])}")
+            cell = torch.arange(width * height)
+            inputs[name] = torch.stack([cell % width, cell // width], -1).expand(shape).clone()  # (..., W*H, 2)
+        elif spec.kind == "bool":
+            inputs[name] = torch.ones(shape, dtype=torch.bool)
         else:
             inputs[name] = _mask(shape, pad)
     return inputs

@@ -72,6 +72,18 @@ def test_the_reduced_default_config_keeps_one_layer_of_every_kind():
     assert reduced_default_config("llama").num_hidden_layers == 2  # one kind: still 2
 
 
+def test_the_reduced_default_config_keeps_a_sub_configs_per_layer_settings_of_its_layers():
+    """Gemma 4's default text_config sets per_layer_config for layers 11-29 (transformers rejects keys beyond
+    num_hidden_layers): the cut keeps those of the layers it keeps, so the reduced config builds."""
+    from tpmap.meta import reduced_default_config
+
+    full = transformers.AutoConfig.for_model("gemma4").text_config
+    assert any(int(k) >= 2 for k in full.to_dict()["per_layer_config"])  # the case: layers the cut drops
+    text = reduced_default_config("gemma4").text_config
+    assert text.num_hidden_layers == 6  # layers 0-5 hold one of each kind (the first full-attention layer is 5)
+    assert [int(k) for k in text.to_dict()["per_layer_config"]] == [5]  # layer 5's setting kept, 11-29 dropped
+
+
 def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
     two missing values, without which lint can only report model-build (and checks no world size)."""

@@ -301,7 +301,11 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
-        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), default):
+        try:  # dotted input names read this config's sub-configs (a tower the default config lacks)
+            built = transformers.AutoConfig.for_model(mapping.model_type, **spec.config)
+        except Exception:  # a config that does not build: reported where the models are built
+            built = default
+        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), built):
             report.add(d)
     for d in when_attributes(loaded, default, valid_keys):
         report.add(d)
@@ -492,6 +496,7 @@ def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str],
         exprs = [(("shape", k), dim) for k, dim in enumerate(declared.shape)]
         exprs += [(("tokens", k, f), getattr(t, f)) for k, t in enumerate(declared.tokens) for f in ("id", "count")]
         exprs += [(("values", k), value) for k, value in enumerate(declared.values)]
+        exprs += [(("grid", k), value) for k, value in enumerate(declared.grid)]
         for key, value in exprs:
             for n in sorted(expr.names(value) - {"batch", "seq"}):
                 problem = _unknown_name(n, known, config)

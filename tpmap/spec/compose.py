@@ -56,6 +56,8 @@ def expand(loaded: LoadedMapping, config, submodel: SubModels, names: Sequence[s
     source = SourceMap(loaded.source.path, dict(loaded.source.values), dict(loaded.source.keys))
     scopes = dict(loaded.scopes)
     for k, item in enumerate(mapping.compose):
+        if item.optional and _absent(item, config, submodel):
+            continue  # a model built without this sub-model: nothing to compose
         try:
             sub, prefix, sub_config_path, via = _part(loaded, k, item, config, submodel, names, errors, seen)
         except TpmapError as e:
@@ -75,6 +77,14 @@ def expand(loaded: LoadedMapping, config, submodel: SubModels, names: Sequence[s
                 _copy_positions(sub.source, (section, j), source, (section, n))
     expanded = mapping.model_copy(update={"compose": [], **lists})
     return LoadedMapping(expanded, source, loaded.data, scopes)
+
+
+def _absent(item: Compose, config, submodel: SubModels) -> bool:
+    """Whether an `optional` compose item's sub-model is absent: no sub-config at its path and no module."""
+    sub_config = config
+    for name in item.config.split("."):
+        sub_config = getattr(sub_config, name, None)
+    return sub_config is None and submodel(item.module) is None
 
 
 def _part(loaded: LoadedMapping, k: int, item: Compose, config, submodel: SubModels, names: Sequence[str],

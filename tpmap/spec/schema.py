@@ -403,10 +403,12 @@ class ExampleInput(_Strict):
         "sub-config: vision_config.image_size) and `batch` / `seq` (the batch size and sequence length of the "
         "derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
     )
-    kind: Literal["ids", "float", "mask", "values"] = Field(
+    kind: Literal["ids", "float", "mask", "values", "grid", "bool"] = Field(
         "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "
         "with the last row's last 3 positions 0 (right padding); values: integers given by `values` (sizes a "
-        "model reads, such as an image's height and width)"
+        "model reads, such as an image's height and width); grid: the (x, y) coordinates of the cells of a "
+        "`grid` [width, height], row by row (patch positions on an image); bool: True everywhere (a mask of "
+        "real entries a model indexes with, such as the tiles of an image)"
     )
     tokens: list[TokenRun] = Field(
         [], description="(ids) runs of special token ids placed in every row from position 1, e.g. image "
@@ -417,6 +419,11 @@ class ExampleInput(_Strict):
         "image_sizes {shape: [batch, 2], kind: values, values: [vision_config.image_size, 2 * "
         "vision_config.image_size]} (height, width)"
     )
+    grid: list[CheckedExpr] = Field(
+        [], description="(grid) [width, height], integer expressions: the input's last two dimensions are "
+        "width * height cells and their (x, y), x = i % width and y = i // width for cell i, in every row, e.g. "
+        "image_position_ids {shape: [batch, 16, 2], kind: grid, grid: [4, 4]}"
+    )
 
     @model_validator(mode="after")
     def _tokens_in_ids(self):
@@ -425,6 +432,9 @@ class ExampleInput(_Strict):
         if (self.kind == "values") != bool(self.values):
             raise ValueError("kind: values needs `values` (one expression per element of the last dimension), "
                              f"and only it takes them; this input's kind is {self.kind!r}")
+        if (self.kind == "grid") != bool(self.grid) or (self.grid and len(self.grid) != 2):
+            raise ValueError("kind: grid needs `grid: [width, height]` (two expressions), and only it takes one; "
+                             f"this input's kind is {self.kind!r}, its grid {len(self.grid)} values")
         return self
 
 
@@ -557,6 +567,11 @@ class Compose(_Strict):
     mapping: str | None = Field(
         None, description="the mapping to apply: a shipped model type (llama), or a path ending in .yaml, "
         "relative to this file; default: the sub-config's own model_type"
+    )
+    optional: bool = Field(
+        False, description="the sub-model may be absent: where the config holds no sub-config at `config` (null, "
+        "a checkpoint built without that tower) and the model has no module at `module`, the item composes "
+        "nothing; a sub-config present without its module (or the reverse) is still an error"
     )
 
     _v_module = field_validator("module")(lambda v: _check_module_path(v))
