@@ -140,6 +140,7 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
     return {"logits_vs_full": (outs["sp"] - outs["full"]).abs().max().item() / scale,
             "logits_vs_tp": (outs["sp"] - outs["tp"]).abs().max().item() / scale,
             "grad_vs_full": report["worst_rel"], "grad_worst": report["worst_name"], "checked": report["checked"],
+            "grad_rels": report["rels"],
             "grad_vs_tp": worst_tp, "block1_tokens": seen, "block1_tokens_tp": seen_tp, "seq": seq,
             "hidden_states": len(recorded.get("sp", ())),
             "hidden_shapes_equal": [tuple(h.shape) for h in recorded.get("sp", ())]

@@ -4,6 +4,8 @@ gradients (fp32 1e-4, fp64 1e-6, the bounds of test_training.py), greedy generat
 collective counts; and every family it cannot run refused with the reason."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import sequence_parallel_cases
 import torch
@@ -21,6 +23,12 @@ LOGIT_RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 # 1.23e-6 and gradients 8.4e-6 (SP against the unsharded model and against plain TP alike), 4.3e-16 and 0.0 with
 # Ovis2RMSNorm keeping float64.
 LOOSE_SP_FP64 = {"ovis2": 10}
+# Gradients that are zero in exact arithmetic, rounding noise in both fp32 models whose difference is judged at
+# the noise's own scale: LayoutLM's key bias shifts every score of a query by one constant, which softmax
+# ignores; with its layout embeddings the fp32 noise of the token-split sum reaches 1.83 of the full model's
+# noise above the floor at ws 3, while the fp64 run of the same case is exact (3.0e-14 worst, every parameter).
+# Their fp32 comparison is left out and the fp64 case of the same world size must pass instead.
+ZERO_IN_EXACT_ARITHMETIC = {"layoutlm": r"\.attention\.self\.key\.bias$"}
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longformer pads to a multiple of 10
 
@@ -134,8 +142,14 @@ def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
         assert _split_as_expected(r["block1_tokens"], r["block1_tokens_tp"], ws), r
         loose = LOOSE_SP_FP64.get(ref, 1) if dtype == torch.float64 else 1
         assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] * loose and r["logits_vs_tp"] <= LOGIT_RTOL[dtype] * loose, r
-        assert r["checked"] > 0 and r["grad_vs_full"] <= GRAD_RTOL[dtype] * loose, r
+        zero = ZERO_IN_EXACT_ARITHMETIC.get(ref) if dtype == torch.float32 else None
+        judged = {n: rel for n, rel in r["grad_rels"].items() if not (zero and re.search(zero, n))}
+        assert r["checked"] > 0 and max(judged.values()) <= GRAD_RTOL[dtype] * loose, (r, judged)
         assert r["grad_vs_tp"] <= GRAD_RTOL[dtype] * loose, r
+    if zero:  # the parameters left out above: exact in float64 at this world size
+        assert len(judged) < len(r["grad_rels"]), f"{zero} matches no parameter of {ref}"
+        for r in ranks(ws).run(sequence_parallel_cases.grad_case, ref, cls, torch.float64, SEQ[ws]):
+            assert r["grad_vs_full"] <= GRAD_RTOL[torch.float64], r
 
 
 @pytest.mark.parametrize("ref, cls, ws", GENERATORS, ids=[_id(c) for c in GENERATORS])
