@@ -66,10 +66,9 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba",
-         "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "kimi_linear", "longcat_flash", "mamba",
-         "minicpm3",
-         "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
+        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text",
+         "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "kimi_linear",
+         "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
