@@ -41,7 +41,7 @@ REFUSED = {
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
-         "llama4_text",
+         "laguna", "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
