@@ -49,7 +49,7 @@ REFUSED = {
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
-         "llama4_text",
+         "laguna", "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
@@ -65,7 +65,7 @@ REFUSED = {
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "minicpmv4_7",
          "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma"],
+         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zaya"],
         "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
@@ -74,9 +74,9 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba",
-         "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "longcat_flash", "mamba", "minicpm3",
-         "reformer", "rwkv", "sarvam_mla", "youtu", "zamba2"],
+        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text",
+         "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "kimi_linear",
+         "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
