@@ -78,6 +78,9 @@ REFUSED = {
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
     **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
+    # so the engine takes 1 for that stack's batch and refuses the (B, T, H) hidden states at the first forward
+    "gemma4_unified": "not batch first",
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
 }
