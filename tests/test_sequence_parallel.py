@@ -64,7 +64,7 @@ REFUSED = {
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "minicpmv4_7",
-         "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+         "inkling2_loop_text", "inkling_text", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zaya"],
         "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
@@ -86,6 +86,9 @@ REFUSED = {
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers
     **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
+    # so the engine takes 1 for that stack's batch and refuses the (B, T, H) hidden states at the first forward
+    "gemma4_unified": "not batch first",
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
     # refused by its mapping: the tower reads every patch's grid position beside the hidden states
