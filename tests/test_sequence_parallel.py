@@ -80,6 +80,7 @@ REFUSED = {
     **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
+    "moshi": "rotary cos/sin itself from the position_ids",  # computed inside the attention, from full-length ids
 }
 
 
