@@ -86,6 +86,7 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "qwen4_exp": "building Qwen4ExpForCausalLM from the tiny config failed",
                    # its config builds sub-configs from dicts that must name their model_type
                    "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'",
+                   "musicflamingo": "the tiny config of 'musicflamingo' is rejected: KeyError: 'model_type'",
                    # q/k/v/o are MoshiLinear wrappers (the nn.Linear one level down, `.linear`), which the
                    # drafter's attention names do not reach, and the MLP's fc1/fc2 differ in width by the gate
                    "moshi": "no Column/Row pair"}
