@@ -20,7 +20,10 @@ LOGIT_RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 # its visual head (LayerNorm + softmax over the visual vocabulary) amplifies that rounding: measured at ws 2 logits
 # 1.23e-6 and gradients 8.4e-6 (SP against the unsharded model and against plain TP alike), 4.3e-16 and 0.0 with
 # Ovis2RMSNorm keeping float64.
-LOOSE_SP_FP64 = {"ovis2": 10}
+LOOSE_SP_FP64 = {"ovis2": 10,
+                 # VoxtralRealtimeRMSNorm casts to float32 and the eager attention's softmax runs in float32 inside
+                 # an fp64 model: at ws 2, 9.3e-7 on the logits and 3.0e-6 on a q_proj gradient (fp32 passes at 1x)
+                 "voxtral_realtime": 10}
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SEQ = {2: 8, 3: 30, 4: 20}  # lengths each world size divides, also after Longformer pads to a multiple of 10
 
