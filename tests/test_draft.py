@@ -85,7 +85,11 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed",
                    "qwen4_exp": "building Qwen4ExpForCausalLM from the tiny config failed",
                    # its config builds sub-configs from dicts that must name their model_type
-                   "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'"}
+                   "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'",
+                   "musicflamingo": "the tiny config of 'musicflamingo' is rejected: KeyError: 'model_type'",
+                   # q/k/v/o are MoshiLinear wrappers (the nn.Linear one level down, `.linear`), which the
+                   # drafter's attention names do not reach, and the MLP's fc1/fc2 differ in width by the gate
+                   "moshi": "no Column/Row pair"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)

@@ -86,6 +86,11 @@ NOT_CHECKED_FAILS = {
     ("gemma4_audio", "mha12", "grad_fp64"): r"^RuntimeError: expected scalar type Double but found Float",
     ("reformer", "causal-local-lsh", "generate"): r"^RuntimeError: einsum\(\): the number of subscripts in the "
                                                   r"equation \(4\) does not match the number of dimensions \(5\)",
+    # its generate caps max_length at the audio's token count, which the prompt already fills; without the audio
+    # every forward refuses to run
+    **{("voxtral_realtime", name, "generate"): r"^ValueError: (Input length of input_ids is \d+, but `max_length` is "
+                                               r"set to \d+|You must specify exactly one of input_features or "
+                                               r"encoder_inputs_embeds)" for name in ("gqa-kv4", "gqa-kv3")},
 }
 
 
