@@ -67,7 +67,7 @@ REFUSED = {
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text", "falcon_mamba",
-         "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "longcat_flash", "mamba", "minicpm3",
+         "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "jamba", "longcat_flash", "mamba", "minicpm3",
          "reformer", "rwkv", "sarvam_mla", "youtu", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
