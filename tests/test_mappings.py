@@ -47,8 +47,13 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # whatever the dtype, and their gradients gather every split block's contribution through the image path:
 # hc_head.hc_scale 1.09e-4 (ws 2) and 1.60e-4 (ws 4) in fp32, the forward 2e-6; in fp64 (same float32 casts)
 # layer 0's attn_hc.fn 2.99e-6 at ws 2 (LOOSE_FP64), every other parameter within 2e-6
+# Granite-4-Vision: five Window Q-Former projectors (softmaxes over 4 x 4 windows under the large init) summed into
+# the image tokens at five decoder layers; the unsharded fp32 model's own gradients are O(1) from float64 on the
+# vision tower's and the Q-Formers' q/k weights: 9.3e-4 (spatial_projectors.0 cross-attention query) at ws 2 in
+# fp32, while the fp64 check of the same case is 3.1e-12
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
-              "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10, "hy_v4_vl": 10}
+              "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10, "hy_v4_vl": 10,
+              "granite4_vision": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,

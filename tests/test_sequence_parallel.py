@@ -77,8 +77,9 @@ REFUSED = {
          "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
-    # tower's blocks / DeepStack mergers
-    **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    # tower's blocks / DeepStack mergers, Granite-4-Vision's layerwise / spatial Q-Former projectors
+    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_vl", "qwen3_vl_moe", "xlm"],
+                    "sibling ModuleLists"),
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
 }
