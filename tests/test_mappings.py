@@ -43,8 +43,17 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # ws 2; the same cases' fp64 gradients pass the 1e-6 bound
 # MiniCPM-V 4.6 (Qwen3.5's Gated DeltaNet behind the image path, as qwen3_5_moe): layer 0's linear_attn.in_proj_qkv
 # weight 1.008e-4 in fp32 with the merger MLP split; the fp64 check of the same case within its bound (LOOSE_FP64)
+# HY-V4-VL: the hyper-connections (whole, outside the split blocks) force float32 (`.float()` with autocast off)
+# whatever the dtype, and their gradients gather every split block's contribution through the image path:
+# hc_head.hc_scale 1.09e-4 (ws 2) and 1.60e-4 (ws 4) in fp32, the forward 2e-6; in fp64 (same float32 casts)
+# layer 0's attn_hc.fn 2.99e-6 at ws 2 (LOOSE_FP64), every other parameter within 2e-6
+# Granite-4-Vision: five Window Q-Former projectors (softmaxes over 4 x 4 windows under the large init) summed into
+# the image tokens at five decoder layers; the unsharded fp32 model's own gradients are O(1) from float64 on the
+# vision tower's and the Q-Formers' q/k weights: 9.3e-4 (spatial_projectors.0 cross-attention query) at ws 2 in
+# fp32, while the fp64 check of the same case is 3.1e-12
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
-              "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10}
+              "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10, "hy_v4_vl": 10,
+              "granite4_vision": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,
@@ -63,7 +72,9 @@ LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text"
               # dt_bias (in the rule's float32 decay) 2.23e-6 once the merger MLP is split too
               "minicpmv4_6": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|conv1d\.weight)$", 10),
               # MiniCPM-V 4.7: the same language model and float32 delta rule (ws 4: A_log 2.14e-6 in fp64)
-              "minicpmv4_7": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|conv1d\.weight)$", 10)}
+              "minicpmv4_7": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|conv1d\.weight)$", 10),
+              # HY-V4-VL: the hyper-connections' float32 mixing weights (see LOOSE_FP32's comment)
+              "hy_v4_vl": (r"\.(attn|ffn)_hc\.fn$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:

@@ -62,8 +62,9 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames); GOT-OCR2's SAM-style vision attention: rel_pos_h / rel_pos_w
-    **dict.fromkeys(["got_ocr2", "granite_speech", "granite_speech_plus"], "matrix kept whole inside a block"),
+    # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention: rel_pos_h / rel_pos_w
+    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
+                    "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "minicpmv4_7",
@@ -78,7 +79,7 @@ REFUSED = {
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
         ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text",
-         "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "jamba", "kimi_linear",
+         "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "jamba", "kimi_linear",
          "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
@@ -87,8 +88,9 @@ REFUSED = {
          "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
-    # tower's blocks / DeepStack mergers
-    **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
+    # tower's blocks / DeepStack mergers, Granite-4-Vision's layerwise / spatial Q-Former projectors
+    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_vl", "qwen3_vl_moe", "xlm"],
+                    "sibling ModuleLists"),
     # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
     # so the engine takes 1 for that stack's batch and refuses the (B, T, H) hidden states at the first forward
     "gemma4_unified": "not batch first",
