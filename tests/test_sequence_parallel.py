@@ -83,6 +83,8 @@ REFUSED = {
     **dict.fromkeys(["cohere_compass", "flaubert", "qwen3_vl", "qwen3_vl_moe", "xlm"], "sibling ModuleLists"),
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
+    # refused by its mapping: a [B, T, T] attention mask split as a per-token input, read with the whole query length
+    "cpmant": "[B, T, T] attention mask",
 }
 
 
