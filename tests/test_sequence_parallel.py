@@ -66,6 +66,8 @@ REFUSED = {
     # LUKE's attention projects [this rank's words | all entities] (concatenated inside the attention), not the
     # tokens' stream: raised at the first forward
     "luke": "does not take the hidden states as its first argument",
+    # PEGASUS-X's encoder attention (kept whole) is run on [padded blocks | global tokens], not the tokens' stream
+    "pegasus_x": "does not take the hidden states as its first argument",
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
