@@ -40,7 +40,7 @@ REFUSED = {
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
-        ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
+        ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
          "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
