@@ -51,8 +51,8 @@ REFUSED = {
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
-        ["afmoe", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe", "kolibri1",
-         "laguna", "llama4_text",
+        ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
+         "kolibri1", "laguna", "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
@@ -75,6 +75,11 @@ REFUSED = {
     **dict.fromkeys(["instructblip", "instructblipvideo"], "does not take the hidden states as its first argument"),
     # Idefics2's perceiver resampler: q_proj reads the learned latents (B, n_latents, H), not the tokens' stream
     "idefics2": "does not take the hidden states as its first argument",
+    # LUKE's attention projects [this rank's words | all entities] (concatenated inside the attention), not the
+    # tokens' stream: raised at the first forward
+    "luke": "does not take the hidden states as its first argument",
+    # PEGASUS-X's encoder attention (kept whole) is run on [padded blocks | global tokens], not the tokens' stream
+    "pegasus_x": "does not take the hidden states as its first argument",
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
@@ -100,6 +105,8 @@ REFUSED = {
     **dict.fromkeys(["gemma4", "gemma4_vision"], "grid position"),
     "gemma4_audio": "mixes neighbouring tokens",  # the conformer's depthwise causal Conv1d
     "moshi": "rotary cos/sin itself from the position_ids",  # computed inside the attention, from full-length ids
+    # refused by its mapping: a [B, T, T] attention mask split as a per-token input, read with the whole query length
+    "cpmant": "[B, T, T] attention mask",
 }
 
 
