@@ -62,7 +62,8 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention: rel_pos_h / rel_pos_w
+    # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention:
+    # rel_pos_h / rel_pos_w
     **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
