@@ -74,7 +74,11 @@ LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text"
               # MiniCPM-V 4.7: the same language model and float32 delta rule (ws 4: A_log 2.14e-6 in fp64)
               "minicpmv4_7": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|conv1d\.weight)$", 10),
               # HY-V4-VL: the hyper-connections' float32 mixing weights (see LOOSE_FP32's comment)
-              "hy_v4_vl": (r"\.(attn|ffn)_hc\.fn$", 10)}
+              "hy_v4_vl": (r"\.(attn|ffn)_hc\.fn$", 10),
+              # DeepSeek-V4: the same float32 hyper-connections (its HC modules are cast to float32 and the
+              # forward calls .float() on the streams and fn, so an fp64 run mixes in float32): at ws 2
+              # layer 0's attn_hc.scale 2.74e-6 in fp64 (fp32 check within its bound); the HCs are whole
+              "deepseek_v4": (r"(\.(attn|ffn)_hc\.(fn|base|scale)|hc_head\.hc_(fn|base|scale))$", 10)}
 
 
 def _worst_over_bound(ref: str, key: str, g: dict) -> tuple[float, str]:

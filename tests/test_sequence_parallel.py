@@ -88,6 +88,8 @@ REFUSED = {
          "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "jamba", "kimi_linear",
          "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
+    # DeepSeek-V4's shared KV head (and its compressor's entries): a whole kv_norm under an Enter feeding the heads
+    "deepseek_v4": "it is under a Enter entry",
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
         ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
