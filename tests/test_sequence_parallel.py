@@ -104,6 +104,8 @@ REFUSED = {
     "gemma4_unified": "not batch first",
     # refused by its mapping (refuse_sequence_parallel): a per-token row mask [B, 1, T, 1] in the cross-attention layers
     "mllama": "per-token row mask",
+    # refused by its mapping: the connector reshapes inner vision layer outputs (DeepStack taps) as a full grid
+    "granite_docling": "pixel-shuffles the DeepStack taps",
     # refused by its mapping: the tower reads every patch's grid position beside the hidden states
     **dict.fromkeys(["gemma4", "gemma4_vision"], "grid position"),
     "gemma4_audio": "mixes neighbouring tokens",  # the conformer's depthwise causal Conv1d
