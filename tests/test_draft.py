@@ -84,6 +84,9 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
                    "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed",
                    "qwen4_exp": "building Qwen4ExpForCausalLM from the tiny config failed",
+                   # Emu3ForCausalLM is built from Emu3TextConfig (emu3_text_model), not Emu3Config, which holds
+                   # the text settings in text_config
+                   "emu3": "building Emu3ForCausalLM from the tiny config failed",
                    # its config builds sub-configs from dicts that must name their model_type
                    "exaone4_5": "the tiny config of 'exaone4_5' is rejected: KeyError: 'model_type'",
                    "musicflamingo": "the tiny config of 'musicflamingo' is rejected: KeyError: 'model_type'",
