@@ -251,9 +251,15 @@ def test_a_hanging_worker_is_detected_within_the_timeout(checkpoint):
         assert _all_gone(pids, within=10)
 
 
+def _interruptible() -> None:
+    """Ctrl-C as at a terminal: a job started in the background of a non-interactive shell (`cmd &`, how a CI
+    script may run pytest) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _driver(path, mode: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, str(CASES), str(path), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
     line = proc.stdout.readline()
     assert line, proc.communicate()[1]
     return proc, json.loads(line)
