@@ -278,6 +278,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
 
     # the verify section: known classes of this model type, known config keys
     classes: list[list] = []  # per verify spec: the classes that resolved
+    verify_configs: list = []  # per verify spec: its config, or the exception its __init__ raised (reported below)
     valid_keys = config_keys(default)
     for v, spec in enumerate(mapping.verify):
         found = []
@@ -301,11 +302,13 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
-        try:  # dotted input names read this config's sub-configs (a tower the default config lacks)
-            built = transformers.AutoConfig.for_model(mapping.model_type, **spec.config)
-        except Exception:  # a config that does not build: reported where the models are built
-            built = default
-        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), built):
+        try:
+            verify_configs.append(transformers.AutoConfig.for_model(mapping.model_type, **spec.config))
+        except Exception as e:  # a config __init__ rejecting values: reported with the embedded configs below
+            verify_configs.append(e)
+        # dotted input names read this config's sub-configs (a tower the default config lacks)
+        own = verify_configs[v] if not isinstance(verify_configs[v], Exception) else default
+        for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), own):
             report.add(d)
     for d in when_attributes(loaded, default, valid_keys):
         report.add(d)
@@ -385,11 +388,10 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     for v, (spec, found) in enumerate(zip(mapping.verify, classes)):
         if not found:
             continue
-        try:
-            config = transformers.AutoConfig.for_model(mapping.model_type, **spec.config)
-        except Exception as e:  # a config __init__ rejecting values: reported at the config
+        config = verify_configs[v]
+        if isinstance(config, Exception):  # a config __init__ rejecting values: reported at the config
             report.add(Diagnostic.at(src.value(("verify", v, "config")), "model-build",
-                                     f"the verify config {spec.name!r} is rejected: {type(e).__name__}: {e}"))
+                                     f"the verify config {spec.name!r} is rejected: {type(config).__name__}: {config}"))
             continue
         configs.append((f"verify {spec.name!r}", config))
         report.add_errors(planner.check_expressions(config, loaded), f"verify {spec.name!r}: ")
