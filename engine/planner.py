@@ -28,7 +28,18 @@ from tpmap.spec.errors import (
     did_you_mean,
 )
 from tpmap.spec.patterns import match_entry, match_modules, suggest_module
-from tpmap.spec.schema import Column, Enter, Input, Norm, Param, Reduce, Row, Update, config_matches
+from tpmap.spec.schema import (
+    Column,
+    Enter,
+    Input,
+    Norm,
+    Param,
+    Reduce,
+    Row,
+    Update,
+    config_matches,
+    entry_applies,
+)
 from tpmap.spec.source import LoadedMapping
 
 
@@ -185,8 +196,8 @@ class Planner:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         for i, entry in enumerate(self.loaded.mapping.entries):
-            if not config_matches(entry.when, self.loaded.config_of("entries", i, self.config),
-                                  self.loaded.mapping.config_defaults):
+            if not entry_applies(entry, self.loaded.config_of("entries", i, self.config),
+                                 self.loaded.mapping.config_defaults):
                 continue
             self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
@@ -641,7 +652,7 @@ def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
         ctx = EntryContext(config, loaded, i, 1)
-        if not config_matches(entry.when, ctx.config, loaded.mapping.config_defaults):
+        if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults):
             continue
         for key, value in expression_keys(entry):
             for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):

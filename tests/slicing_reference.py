@@ -157,7 +157,7 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     from tpmap.engine.planner import EntryContext, base_prefix, composed
     from tpmap.spec.expr import evaluate as evaluate_expr
     from tpmap.spec.patterns import match_entry
-    from tpmap.spec.schema import Column, Norm, Param, config_matches
+    from tpmap.spec.schema import Column, Norm, Param, entry_applies
 
     loaded = composed(full, loaded)  # a composing mapping's entries, as the plan numbers them
     entries = loaded.mapping.entries
@@ -195,8 +195,8 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
         owner, _, pname = t.name.rpartition(".")
         rel = owner[len(prefix):]
         claims = [i for i, e in enumerate(entries) if isinstance(e, Param)
-                  and config_matches(e.when, loaded.config_of("entries", i, full.config),
-                                       loaded.mapping.config_defaults)
+                  and entry_applies(e, loaded.config_of("entries", i, full.config),
+                                    loaded.mapping.config_defaults)
                   and pname in e.params and rel in match_entry(e, modules)]
         assert len(claims) == 1, (t.name, claims)
         entry = entries[claims[0]]

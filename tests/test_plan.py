@@ -200,3 +200,35 @@ def test_a_default_config_patch_with_more_layers_is_still_cut_for_lint():
 
     config = reduced_default_config("llama", {"num_hidden_layers": 6, "vocab_size": 300})
     assert config.num_hidden_layers == 2 and config.vocab_size == 300
+
+
+def test_an_entry_applies_only_on_the_transformers_releases_of_its_range():
+    """One entry per layout of a module that a release renamed: each applies on its own releases only, so
+    two entries for one module never both claim it, and the plan holds the installed release's entry."""
+    from tpmap.spec import source
+    from tpmap.spec.schema import release_matches
+
+    assert release_matches(">=5.24", "5.24.0") and not release_matches(">=5.24", "5.23.0")
+    assert release_matches("<5.24", "5.23.0") and release_matches(None, "5.23.0")
+    installed = transformers.__version__
+    text = (LLAMA_ATTENTION + "  - {kind: Row, module: layers.*.self_attn.o_proj, heads: num_attention_heads, "
+            f"transformers: '=={installed}'}}\n"
+            "  - {kind: Column, module: layers.*.self_attn.o_proj, "
+            f"transformers: '!={installed}'}}\n" + LLAMA_VERIFY)
+    plan = tpmap.plan(meta_model("llama"), 2, mapping=source.load_text(text, "m.yaml"))
+    assert plan.params["model.layers.0.self_attn.o_proj.weight"].dim == 1  # the Row: the installed release's
+    elsewhere = text.replace(f"'=={installed}'", "'<1'").replace(f"'!={installed}'", "'>=1'")
+    plan = tpmap.plan(meta_model("llama"), 2, mapping=source.load_text(elsewhere, "m.yaml"))
+    assert plan.params["model.layers.0.self_attn.o_proj.weight"].dim == 0  # the other entry (a Column here)
+    skipped = text.replace(f"'=={installed}'", "'<1'").replace(f"'!={installed}'", "'<1'")
+    plan = tpmap.plan(meta_model("llama"), 2, mapping=source.load_text(skipped, "m.yaml"))
+    assert "model.layers.0.self_attn.o_proj.weight" not in plan.params  # neither applies: o_proj stays whole
+
+
+LLAMA_ATTENTION = """model_type: llama
+entries:
+  - {kind: Column, module: layers.*.self_attn.q_proj, heads: num_attention_heads}
+  - {kind: Column, module: layers.*.self_attn.k_proj, heads: num_key_value_heads}
+  - {kind: Column, module: layers.*.self_attn.v_proj, heads: num_key_value_heads}
+"""
+LLAMA_VERIFY = "verify:\n  - {config: {}, models: [LlamaForCausalLM]}\n"

@@ -13,10 +13,9 @@ import os
 import warnings
 
 import transformers
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
 from tpmap.spec.errors import TransformersVersionError
+from tpmap.spec.schema import release_matches
 
 TRANSFORMERS = ">=5.23,<5.25"
 PROVEN = ("5.23.0", "5.24.0")  # the oldest and the newest release of the range: what .ci/run installs
@@ -39,4 +38,4 @@ def check_transformers(version: str | None = None) -> None:
 
 def mapping_applies(spec: str | None, version: str | None = None) -> bool:
     """Whether a mapping's own `transformers` range (None: tpmap's whole range) admits the installed version."""
-    return spec is None or Version(version or transformers.__version__) in SpecifierSet(spec)
+    return release_matches(spec, version)

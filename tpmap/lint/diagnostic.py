@@ -38,6 +38,7 @@ RULES: dict[str, str] = {
     "compose": "each composed sub-model has a mapping (shipped for its model type, or the file named), without "
                "a cycle",
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
+    "transformers-never": "an entry's `transformers` range admits at least one transformers release tpmap proves",
 }
 
 # notes: printed, but not errors (the exit status stays 0)

@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tpmap.compat import mapping_applies
+from tpmap.compat import PROVEN, mapping_applies
 from tpmap.engine import planner
 from tpmap.engine.blocks import block_of, block_prefixes
 from tpmap.lint.diagnostic import Diagnostic
@@ -39,7 +39,7 @@ from tpmap.spec.patterns import (
     match_modules,
     suggest_module,
 )
-from tpmap.spec.schema import Column, Param, Row, config_matches
+from tpmap.spec.schema import Column, Param, Row, config_matches, release_matches
 from tpmap.spec.source import LoadedMapping
 
 
@@ -262,6 +262,8 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
                              f"not checked: the mapping needs transformers{mapping.transformers}, and "
                              f"{transformers.__version__} is installed")
         return [dataclasses.replace(note, severity="note")]
+    for d in release_never(loaded):
+        report.add(d)
     if mapping.model_type not in transformers.CONFIG_MAPPING:
         report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
                                  f"{mapping.model_type!r} is not a model_type of transformers "
@@ -439,6 +441,17 @@ def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> lis
                                      f"the {name} defines {key!r} (default {getattr(default, key, None)!r}), so "
                                      "this default is never read: remove it"))
     return out
+
+
+def release_never(loaded: LoadedMapping) -> list[Diagnostic]:
+    """An entry whose `transformers` range admits none of the releases tpmap proves (compat.PROVEN) is never
+    applied nor proven: widen the range or remove the entry."""
+    return [Diagnostic.at(loaded.source.value(("entries", i, "transformers")), "transformers-never",
+                          f"entry {i} ({entry.kind} {entry.module!r}) applies to no release tpmap proves: "
+                          f"transformers{entry.transformers} admits none of {', '.join(PROVEN)}; write a range "
+                          "that holds one of them (e.g. '>=5.24' or '<5.24') or remove the entry")
+            for i, entry in enumerate(loaded.mapping.entries)
+            if entry.transformers is not None and not any(release_matches(entry.transformers, v) for v in PROVEN)]
 
 
 def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:

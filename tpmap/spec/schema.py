@@ -29,7 +29,8 @@ Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms acros
   the statistics are all-reduced (forward and backward), the weight is split with its features.
 
 Every entry may carry ``when: {config_attribute: value}``: it applies only to configs that match, so
-one file covers a family's config variants. An attribute that a config lacks reads as the mapping's
+one file covers a family's config variants; and ``transformers: <range>``: it applies only on those
+releases of transformers, for a module that a release renamed. An attribute that a config lacks reads as the mapping's
 ``config_defaults`` value for it (the default the model's own ``getattr(config, key, default)`` uses), else
 as ``null``.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -131,6 +133,33 @@ def config_value(config, key: str, defaults: dict[str, Any] | None = None):
     return have
 
 
+def _check_release_range(v: str | None) -> str | None:
+    if v is not None:
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier:
+            raise ValueError(f"{v!r} is not a version range; write one such as '>=5.24' or '<5.24'") from None
+    return v
+
+
+ReleaseRange = Annotated[str | None, AfterValidator(_check_release_range)]
+
+
+def release_matches(spec: str | None, version: str | None = None) -> bool:
+    """Whether a `transformers` range (None: any release) admits `version` (default: the installed one)."""
+    if spec is None:
+        return True
+    if version is None:
+        import transformers  # the library the mapping describes; imported only when a range is given
+        version = transformers.__version__
+    return Version(version) in SpecifierSet(spec)
+
+
+def entry_applies(entry, config, defaults: dict[str, Any] | None = None, version: str | None = None) -> bool:
+    """Whether `entry` applies: its `when` matches `config` and its `transformers` range admits the release."""
+    return config_matches(entry.when, config, defaults) and release_matches(entry.transformers, version)
+
+
 def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any] | None = None) -> bool:
     """True when `config` has every attribute of `when` at a required value (see `When`). An attribute the
     config lacks reads as its `defaults` value, or as None (see `config_value`)."""
@@ -151,6 +180,11 @@ def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any]
 class _Entry(_Strict):
     module: Pattern = Field(description="dotted module path relative to the base model; * globs per component")
     when: When | None = None
+    transformers: ReleaseRange = Field(
+        None, description="the transformers releases this entry applies to, a PEP 440 range ('>=5.24', '<5.24'): "
+        "for a module that a release renamed or restructured, one entry per layout, each with its range. On "
+        "other releases the entry is skipped; lint reports a range that admits none of the releases tpmap proves"
+    )
     classes: list[str] | None = Field(
         None, min_length=1,
         description="only the matched modules of these classes (class names): for hybrid stacks whose layer kinds "
@@ -633,15 +667,7 @@ class Mapping(_Strict):
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
 
-    @field_validator("transformers")
-    @classmethod
-    def _check_transformers(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                SpecifierSet(v)
-            except InvalidSpecifier:
-                raise ValueError(f"{v!r} is not a version range; write one such as '>=5.24'") from None
-        return v
+    _v_transformers = field_validator("transformers")(lambda v: _check_release_range(v))
 
     _v_replicated = field_validator("replicated", "grad_allreduce")(
         lambda v: [_check_pattern(p) if isinstance(p, str) else p for p in v])
