@@ -39,6 +39,7 @@ from tpmap.spec.schema import (
     Update,
     config_matches,
     entry_applies,
+    release_matches,
 )
 from tpmap.spec.source import LoadedMapping
 
@@ -478,6 +479,8 @@ class Planner:
             self.shards.extend(self.plan_vocab_parallel(mapping.vocab_parallel))
         grad_allreduce = []
         for i, item in enumerate(mapping.grad_allreduce):
+            if not isinstance(item, str) and not release_matches(item.transformers):
+                continue
             pattern = item if isinstance(item, str) else item.module
             hits = match_modules(pattern, self.names)
             if not hits:

@@ -444,14 +444,18 @@ def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> lis
 
 
 def release_never(loaded: LoadedMapping) -> list[Diagnostic]:
-    """An entry whose `transformers` range admits none of the releases tpmap proves (compat.PROVEN) is never
-    applied nor proven: widen the range or remove the entry."""
-    return [Diagnostic.at(loaded.source.value(("entries", i, "transformers")), "transformers-never",
-                          f"entry {i} ({entry.kind} {entry.module!r}) applies to no release tpmap proves: "
-                          f"transformers{entry.transformers} admits none of {', '.join(PROVEN)}; write a range "
-                          "that holds one of them (e.g. '>=5.24' or '<5.24') or remove the entry")
-            for i, entry in enumerate(loaded.mapping.entries)
-            if entry.transformers is not None and not any(release_matches(entry.transformers, v) for v in PROVEN)]
+    """An entry (or grad_allreduce item) whose `transformers` range admits none of the releases tpmap proves
+    (compat.PROVEN) is never applied nor proven: widen the range or remove it."""
+    items = [(("entries", i), f"entry {i} ({e.kind} {e.module!r})", e.transformers)
+             for i, e in enumerate(loaded.mapping.entries)]
+    items += [(("grad_allreduce", i), f"grad_allreduce item {i} ({g.module!r})", g.transformers)
+              for i, g in enumerate(loaded.mapping.grad_allreduce) if not isinstance(g, str)]
+    return [Diagnostic.at(loaded.source.value((*key, "transformers")), "transformers-never",
+                          f"{what} applies to no release tpmap proves: transformers{spec} admits none of "
+                          f"{', '.join(PROVEN)}; write a range that holds one of them (e.g. '>=5.24' or '<5.24') "
+                          "or remove it")
+            for key, what, spec in items
+            if spec is not None and not any(release_matches(spec, v) for v in PROVEN)]
 
 
 def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:

@@ -524,6 +524,10 @@ class OwnParams(_Strict):
     """
     module: Pattern
     params: list[str] = Field(min_length=1, description="names of parameters the module holds itself")
+    transformers: ReleaseRange = Field(
+        None, description="the transformers releases this item applies to (as an entry's `transformers`): a "
+        "module a release renamed gets one item per name"
+    )
 
     _v_module = field_validator("module")(lambda v: _check_pattern(v))
 
