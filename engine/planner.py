@@ -39,6 +39,7 @@ from tpmap.spec.schema import (
     Update,
     config_matches,
     entry_applies,
+    layer_selected,
     release_matches,
 )
 from tpmap.spec.source import LoadedMapping
@@ -214,6 +215,8 @@ class Planner:
                     raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "
                                     f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
                                     f"{suggest_module(entry.module, self.names)}", "module", rule="pattern-no-match")
+                if entry.when_layer:  # a config without such layers has nothing to select, as `when` (lint: when-never)
+                    matched = self.select_layers(entry, ctx, matched, self.loaded.config_of("entries", i, self.config))
                 for rel in matched:
                     before = len(self.errors) if self.errors is not None else 0
                     kinds[type(entry)](entry, ctx, self.modules[rel], self.prefix + rel)
@@ -221,6 +224,14 @@ class Planner:
                         break  # the other modules of this entry would repeat the same problems
             except TpmapError as e:
                 self.fail(e)
+
+    def select_layers(self, entry, ctx: EntryContext, matched: list[str], config) -> list[str]:
+        """The matched modules of the layers `entry.when_layer` selects."""
+        try:
+            return [rel for rel in matched
+                    if layer_selected(entry.when_layer, rel, config, self.loaded.mapping.config_defaults)]
+        except ConfigAttributeError as e:
+            raise ctx.error(ConfigAttributeError, str(e), "when_layer", rule="config-attribute") from None
 
     def claim(self, name: str, ctx: EntryContext) -> None:
         """Each tensor is split by one entry only."""

@@ -157,7 +157,7 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     from tpmap.engine.planner import EntryContext, base_prefix, composed
     from tpmap.spec.expr import evaluate as evaluate_expr
     from tpmap.spec.patterns import match_entry
-    from tpmap.spec.schema import Column, Norm, Param, entry_applies
+    from tpmap.spec.schema import Column, Norm, Param, entry_applies, layer_selected
 
     loaded = composed(full, loaded)  # a composing mapping's entries, as the plan numbers them
     entries = loaded.mapping.entries
@@ -197,7 +197,9 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
         claims = [i for i, e in enumerate(entries) if isinstance(e, Param)
                   and entry_applies(e, loaded.config_of("entries", i, full.config),
                                     loaded.mapping.config_defaults)
-                  and pname in e.params and rel in match_entry(e, modules)]
+                  and pname in e.params and rel in match_entry(e, modules)
+                  and (not e.when_layer or layer_selected(
+                      e.when_layer, rel, loaded.config_of("entries", i, full.config), loaded.mapping.config_defaults))]
         assert len(claims) == 1, (t.name, claims)
         entry = entries[claims[0]]
         tensor = getattr(full.get_submodule(owner), pname)

@@ -232,3 +232,36 @@ entries:
   - {kind: Column, module: layers.*.self_attn.v_proj, heads: num_key_value_heads}
 """
 LLAMA_VERIFY = "verify:\n  - {config: {}, models: [LlamaForCausalLM]}\n"
+
+
+def test_when_layer_selects_the_modules_of_the_layers_whose_per_layer_entry_matches():
+    """Gemma 2's layers alternate sliding and full attention in one class: `when_layer` gives each kind its own
+    entry (here k_proj by 2 KV heads in sliding layers and by 1 group in full ones, to tell them apart)."""
+    from tpmap.spec import source
+    from tpmap.spec.errors import ConfigAttributeError
+
+    model = meta_model("gemma2")  # layer_types [sliding_attention, full_attention], 2 KV heads of 8
+    text = """model_type: gemma2
+entries:
+  - {kind: Column, module: layers.*.self_attn.k_proj, heads: num_key_value_heads,
+     when_layer: {layer_types: sliding_attention}}
+  - {kind: Column, module: layers.*.self_attn.k_proj, when_layer: {layer_types: [full_attention]}}
+  - {kind: Column, module: layers.*.self_attn.v_proj, heads: num_key_value_heads,
+     when_layer: {layer_types: {not: full_attention}}}
+verify:
+  - {config: {}, models: [Gemma2ForCausalLM]}
+"""
+    plan = tpmap.plan(model, 4, mapping=source.load_text(text, "m.yaml"))
+    sliding, full = (plan.params[f"model.layers.{i}.self_attn.k_proj.weight"] for i in (0, 1))
+    assert sliding.replicated_heads and [sliding.pieces[r] for r in range(4)] == [((0, 8),)] * 2 + [((8, 8),)] * 2
+    assert not full.replicated_heads and full.pieces[3] == ((12, 4),)  # a plain even split: 16 / 4
+    assert "model.layers.0.self_attn.v_proj.weight" in plan.params
+    assert "model.layers.1.self_attn.v_proj.weight" not in plan.params  # {not: full_attention}: layer 0 only
+    none = text.replace("layer_types: sliding_attention", "layer_types: chunked_attention")
+    plan = tpmap.plan(model, 2, mapping=source.load_text(none, "m.yaml"))  # selects no layer: applies nowhere
+    assert "model.layers.0.self_attn.k_proj.weight" not in plan.params
+    wrong = text.replace("when_layer: {layer_types: [full_attention]}", "when_layer: {hidden_size: 96}")
+    with pytest.raises(ConfigAttributeError, match=r"when_layer.hidden_size: the config's hidden_size is 96, not a "
+                                                   r"list with one entry per layer") as e:
+        tpmap.plan(model, 2, mapping=source.load_text(wrong, "m.yaml"))
+    assert "m.yaml:5:" in str(e.value)

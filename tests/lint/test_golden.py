@@ -35,7 +35,7 @@ REQUIRED = {
     "input_argument": "module-kind", "norm_module_kind": "module-kind", "when_never": "when-never",
     "groups_divisibility": "divisibility", "unsupported_variant": "unsupported", "when_operator": "wrong-type",
     "when_undefined_attribute": "when-attribute", "config_default_defined": "when-attribute",
-    "transformers_never": "transformers-never",
+    "transformers_never": "transformers-never", "when_layer_never": "when-never",
     # composed mappings: a sub-model without a mapping; an error in a composed file, at its own line
     "compose_no_mapping": "compose", "compose_entry_error": "config-attribute",
 }
@@ -122,8 +122,8 @@ def test_github_format():
     lines = out.splitlines()
     assert lines[0] == (
         "::error file=tests/lint/cases/typo_key.yaml,line=10,col=5,title=tpmap lint [unknown-key]::"
-        "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, transformers, "
-        "classes, sections, heads, groups, reverse, combined_qkv, gather_output, copy_input"
+        "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, when_layer, "
+        "transformers, classes, sections, heads, groups, reverse, combined_qkv, gather_output, copy_input"
     )
     # the message's own ':' and ',' stay as they are in the data part; properties are escaped
     assert lines[1].startswith("::error file=tests/lint/cases/yaml_syntax.yaml,line=35,col=11,")

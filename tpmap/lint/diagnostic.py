@@ -37,7 +37,8 @@ RULES: dict[str, str] = {
                       "class defines",
     "compose": "each composed sub-model has a mapping (shipped for its model type, or the file named), without "
                "a cycle",
-    "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config)",
+    "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config), "
+                  "and one with `when_layer` selects a layer of one",
     "transformers-never": "an entry's `transformers` range admits at least one transformers release tpmap proves",
 }
 

@@ -39,7 +39,7 @@ from tpmap.spec.patterns import (
     match_modules,
     suggest_module,
 )
-from tpmap.spec.schema import Column, Param, Row, config_matches, release_matches
+from tpmap.spec.schema import Column, Param, Row, config_matches, config_value, layer_selected, release_matches
 from tpmap.spec.source import LoadedMapping
 
 
@@ -404,7 +404,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
         for ws in spec.world_sizes:
             if ws != 1:
                 check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
-    for d in when_never(loaded, configs):
+    for d in when_never(loaded, configs) + layer_never(loaded, configs):
         report.add(d)
     report.add_errors(e for key, e in unmatched_in_default.items() if key not in entry_hit)
     for e, label in unmatched_later:  # only where the default config's error was dropped: a new place
@@ -425,6 +425,7 @@ def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> lis
     name = type(default).__name__
     out = []
     whens = [(("entries", i, "when"), e.when) for i, e in enumerate(mapping.entries) if e.when]
+    whens += [(("entries", i, "when_layer"), e.when_layer) for i, e in enumerate(mapping.entries) if e.when_layer]
     whens += [(("unsupported", k, "when"), u.when) for k, u in enumerate(mapping.unsupported)]
     for where, when in whens:
         for key in when:
@@ -486,6 +487,35 @@ def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
             out.append(Diagnostic.at(loaded.source.key(("entries", i, "when")), "when-never",
                                      f"entry {i} ({entry.kind} {entry.module!r}): no config lint checks matches "
                                      f"all of {entry.when}; add a verify config of that variant"))
+    return out
+
+
+def layer_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
+    """An entry whose `when_layer` selects no layer of any config lint checks (where its `when` matches) is never
+    checked nor proven: add a verify config with such a layer, or fix the value."""
+    out = []
+    defaults = loaded.mapping.config_defaults
+    for i, entry in enumerate(loaded.mapping.entries):
+        if not entry.when_layer:
+            continue
+        seen = {}
+        for label, c in configs:
+            c = loaded.config_of("entries", i, c)
+            if not config_matches(entry.when, c, defaults):
+                continue
+            lists = {key: config_value(c, key, defaults) for key in entry.when_layer}
+            if not all(isinstance(v, (list, tuple)) for v in lists.values()):
+                break  # not a per-layer list: the plan reports it (config-attribute)
+            seen[label] = lists
+            layers = min(len(v) for v in lists.values())
+            if any(layer_selected(entry.when_layer, str(j), c, defaults) for j in range(layers)):
+                break
+        else:
+            values = "; ".join(f"{label}: {lists}" for label, lists in seen.items()) or "no config matches its when"
+            out.append(Diagnostic.at(loaded.source.key(("entries", i, "when_layer")), "when-never",
+                                     f"entry {i} ({entry.kind} {entry.module!r}) selects no layer of any config lint "
+                                     f"checks, so it is never checked nor proven: no layer has {entry.when_layer} "
+                                     f"({values}); add a verify config with such a layer"))
     return out
 
 

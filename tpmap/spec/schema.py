@@ -29,7 +29,9 @@ Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms acros
   the statistics are all-reduced (forward and backward), the weight is split with its features.
 
 Every entry may carry ``when: {config_attribute: value}``: it applies only to configs that match, so
-one file covers a family's config variants; and ``transformers: <range>``: it applies only on those
+one file covers a family's config variants; ``when_layer: {per_layer_list: value}``: it applies only to the
+matched modules of the layers whose entry of that config list matches (sliding vs full attention layers
+of one class); and ``transformers: <range>``: it applies only on those
 releases of transformers, for a module that a release renamed. An attribute that a config lacks reads as the mapping's
 ``config_defaults`` value for it (the default the model's own ``getattr(config, key, default)`` uses), else
 as ``null``.
@@ -57,6 +59,7 @@ from pydantic import (
 )
 
 from tpmap.spec import expr
+from tpmap.spec.errors import ConfigAttributeError
 
 ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
 
@@ -165,14 +168,39 @@ def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any]
     config lacks reads as its `defaults` value, or as None (see `config_value`)."""
     if not when:
         return True
-    for key, want in when.items():
-        have = config_value(config, key, defaults)
-        if isinstance(want, dict):
-            (op, value), = want.items()
-            ok = _WHEN_OPS[op](have, value)
-        else:
-            ok = have in want if isinstance(want, list) else have == want
-        if not ok:
+    return all(_value_matches(want, config_value(config, key, defaults)) for key, want in when.items())
+
+
+def _value_matches(want, have) -> bool:
+    if isinstance(want, dict):
+        (op, value), = want.items()
+        return _WHEN_OPS[op](have, value)
+    return have in want if isinstance(want, list) else have == want
+
+
+def layer_index(name: str) -> int | None:
+    """A module's layer: the first dotted component of its name that is an integer (``layers.3.self_attn`` -> 3,
+    ``language_model.layers.5.mlp`` -> 5, ``encoder.block.2.layer.0.SelfAttention`` -> 2); None outside a stack."""
+    return next((int(p) for p in name.split(".") if p.isdecimal()), None)
+
+
+def layer_selected(when_layer: dict[str, Any], name: str, config, defaults: dict[str, Any] | None = None) -> bool:
+    """True when the module `name` sits in a layer whose entries of the config's per-layer lists match
+    `when_layer` ({layer_types: sliding_attention}: config.layer_types[i] == "sliding_attention" for layer i),
+    with `when`'s value semantics. Raises ConfigAttributeError where that cannot be read."""
+    i = layer_index(name)
+    if i is None:
+        raise ConfigAttributeError(f"{name} is in no stack of layers (no integer component in its name), so "
+                                   "`when_layer` cannot read its layer's entry; use `when` or `classes` instead")
+    for key, want in when_layer.items():
+        values = config_value(config, key, defaults)
+        if not isinstance(values, (list, tuple)):
+            raise ConfigAttributeError(f"when_layer.{key}: the config's {key} is {values!r}, not a list with one "
+                                       f"entry per layer; valid keys are per-layer lists such as layer_types")
+        if i >= len(values):
+            raise ConfigAttributeError(f"when_layer.{key}: {name} is layer {i}, but the config's {key} lists "
+                                       f"{len(values)} layers")
+        if not _value_matches(want, values[i]):
             return False
     return True
 
@@ -180,6 +208,11 @@ def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any]
 class _Entry(_Strict):
     module: Pattern = Field(description="dotted module path relative to the base model; * globs per component")
     when: When | None = None
+    when_layer: When | None = Field(
+        None, description="apply only to the matched modules whose layer i has config.<key>[i] matching (a value, a "
+        "list, an operator, as `when`): e.g. when_layer: {layer_types: sliding_attention} selects the sliding "
+        "layers' modules, whose head counts or parameters differ from the full layers' of the same class"
+    )
     transformers: ReleaseRange = Field(
         None, description="the transformers releases this entry applies to, a PEP 440 range ('>=5.24', '<5.24'): "
         "for a module that a release renamed or restructured, one entry per layout, each with its range. On "
