@@ -53,7 +53,7 @@ REFUSED = {
     **dict.fromkeys(  # experts
         ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
          "kolibri1", "laguna", "llama4_text",
-         "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
+         "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
