@@ -318,6 +318,7 @@ class ShardedNorm(_TPModule):
 
     rms:   y = x / sqrt(sum_r sum(x_r^2) / F + eps) * w_r
     layer: mu = sum_r sum(x_r) / F;  y = (x - mu) / sqrt(sum_r sum((x_r - mu)^2) / F + eps) * w_r + b_r
+    l2:    y = x / sqrt(sum_r sum(x_r^2) + eps) [* w_r]   (no mean: a projection onto the unit sphere)
     The sums go through sum_over_tp_region (all-reduce forward and backward). As transformers' norms,
     it computes in float32 and returns the input dtype. x_r (..., F/ws) -> y_r (..., F/ws).
 
@@ -334,14 +335,16 @@ class ShardedNorm(_TPModule):
         h = x.to(torch.float32)
         if self.statistic == "layer":
             h = h - sum_over_tp_region(h.sum(-1, keepdim=True), self.tp_group) / self.features
-        variance = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.tp_group) / self.features
-        h = h * torch.rsqrt(variance + self.eps)
-        y = self.weight * h
+        squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.tp_group)  # (..., 1)
+        h = h * torch.rsqrt((squares if self.statistic == "l2" else squares / self.features) + self.eps)
+        y = h if self.weight is None else self.weight * h
         if self.bias is not None:
             y = y + self.bias
         return y.to(dtype)
 
     def extra_repr(self) -> str:
+        if self.weight is None:
+            return f"{self.statistic}, no weight, eps={self.eps}"
         return f"{self.statistic}, local={tuple(self.weight.shape)} of {self.features}, eps={self.eps}"
 
 

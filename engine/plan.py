@@ -21,7 +21,7 @@ from tpmap.engine.pieces import Pieces
 # The closed sets of strings a plan holds.
 ModuleStyle = Literal["column", "row", "norm", "vocab_embedding", "vocab_head"]
 Holder = Literal["parameter", "buffer", "modules"]  # what a split tensor is on its module (Param entries)
-Statistic = Literal["", "rms", "layer"]  # a Norm's statistic ("" for other styles)
+Statistic = Literal["", "rms", "layer", "l2"]  # a Norm's statistic ("" for other styles)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,7 @@ class ModuleShard:
     reverse: bool
     gather_output: bool
     entry: int  # index of the mapping entry (for messages); -1 for vocab_parallel
-    weight: ParamShard
+    weight: ParamShard | None  # None only for a Norm without a weight (statistic l2)
     bias: ParamShard | None
     copy_input: bool = True  # Column: all-reduce the input's gradient (False after an Enter)
     statistic: Statistic = ""  # Norm: the statistic it computes
@@ -109,7 +109,8 @@ class Plan:
         """Every split tensor by full name: module weights/biases and Param tensors (not ModuleLists)."""
         out = {}
         for m in self.modules:
-            out[m.weight.name] = m.weight
+            if m.weight is not None:
+                out[m.weight.name] = m.weight
             if m.bias is not None:
                 out[m.bias.name] = m.bias
         for t in self.tensors:

@@ -460,6 +460,18 @@ class Planner:
         """A norm over split features: its weight (and bias) split like them, statistics all-reduced."""
         weight = getattr(module, "weight", None)
         own = [n for n, _ in module.named_parameters(recurse=False)]
+        if entry.statistic == "l2" and not own and weight is None:  # nothing to split: only the statistic
+            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+            if not isinstance(eps, float) or list(module.children()):
+                raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not an L2 norm module: "
+                                "no float eps / variance_epsilon, or it has submodules", "module", rule="module-kind")
+            if entry.heads is not None or entry.sections is not None or entry.groups is not None:
+                raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no weight to lay out: "
+                                "remove heads/sections/groups from this Norm entry", "module", rule="module-kind")
+            self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__,
+                                           reverse=False, gather_output=False, entry=ctx.index, weight=None,
+                                           bias=None, statistic="l2", eps=eps))
+            return
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or set(own) - {"weight", "bias"}:
             raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not a norm with a 1-D weight "
                             "(+bias)", "module", rule="module-kind")
@@ -589,7 +601,7 @@ class Planner:
 
     def check_ties(self) -> None:
         """A sharded parameter must not also be used, tied, by a module that stays whole."""
-        sharded = {t for m in self.shards for t in (m.weight.name, m.bias and m.bias.name) if t}
+        sharded = {t for m in self.shards for t in (m.weight and m.weight.name, m.bias and m.bias.name) if t}
         sharded |= {t.name for t in self.tensors}
         for names in names_by_parameter(self.model).values():
             if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):

@@ -100,7 +100,7 @@ def gather_order(shard: ParamShard) -> torch.Tensor | None:
 
 
 def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Module:
-    weight = param(old.weight, ms.weight)
+    weight = None if ms.weight is None else param(old.weight, ms.weight)  # None: a weightless Norm
     bias = None if ms.bias is None else param(old.bias, ms.bias)
     if ms.style == "vocab_embedding":
         start, n = ms.weight.pieces[rank][0]
@@ -111,8 +111,8 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         new = VocabParallelLMHead(weight, bias, vocab_start=start, vocab_end=start + n,
                                   vocab_size=ms.weight.full_shape[0], group=group)
     elif ms.style == "norm":
-        new = ShardedNorm(weight, bias, statistic=ms.statistic, eps=ms.eps, features=ms.weight.full_shape[0],
-                          group=group)
+        new = ShardedNorm(weight, bias, statistic=ms.statistic, eps=ms.eps,
+                          features=0 if ms.weight is None else ms.weight.full_shape[0], group=group)
     elif isinstance(old, nn.Embedding):
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":

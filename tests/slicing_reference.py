@@ -168,6 +168,8 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
 
     out: dict[str, Split] = {}
     for ms in plan.modules:
+        if ms.weight is None:
+            continue  # a Norm without a weight (statistic l2): nothing to slice
         module = full.get_submodule(ms.name)
         if ms.style in ("vocab_embedding", "vocab_head"):  # (V, H) weight, (V,) bias: rows of the vocabulary
             layout = Layout(module.weight.shape[0], vocab=True)

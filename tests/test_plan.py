@@ -2,6 +2,8 @@
 meta-device models, without processes and without touching a tensor's values."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -9,6 +11,9 @@ import transformers
 import tpmap
 from tpmap import cli, verify
 from tpmap.engine.shard import gather_order, take
+
+
+ROOT_MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 
 
 def meta_model(model_type: str, verify_index: int = 0, **overrides):
@@ -265,3 +270,21 @@ verify:
                                                    r"list with one entry per layer") as e:
         tpmap.plan(model, 2, mapping=source.load_text(wrong, "m.yaml"))
     assert "m.yaml:5:" in str(e.value)
+
+
+@pytest.mark.skipif("dory" not in transformers.CONFIG_MAPPING, reason="dory needs transformers >= 5.24")
+def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
+    """Dory's sub-norms (x / sqrt(sum(x^2) + eps), no weight) over split features: a norm shard with no tensor to
+    slice; a layout on it is refused (nothing to lay out)."""
+    from tpmap.spec import source
+    from tpmap.spec.errors import ModuleKindError
+
+    model = meta_model("dory")
+    plan = tpmap.plan(model, 2)
+    norm = next(m for m in plan.modules if m.name == "model.layers.0.mlp.ffn_sub_norm")
+    assert norm.style == "norm" and norm.statistic == "l2" and norm.weight is None and norm.bias is None
+    assert not [n for n in plan.params if "sub_norm" in n]  # nothing to read or slice from a checkpoint
+    text = (ROOT_MAPPINGS / "dory.yaml").read_text().replace("    statistic: l2\n", "    statistic: l2\n    heads: 12\n", 1)
+    with pytest.raises(ModuleKindError, match=r"has no weight to lay out: remove heads/sections/groups"):
+        tpmap.plan(model, 2, mapping=source.load_text(text, "dory.yaml"))
+

@@ -428,17 +428,20 @@ class Input(_Entry):
 
 
 class Norm(_Layout, _Entry):
-    """An RMSNorm / LayerNorm over features that are split over the ranks, computed exactly.
+    """An RMSNorm / LayerNorm / L2 norm over features that are split over the ranks, computed exactly.
 
-    ``rms``: ``y = x / sqrt(mean(x^2) + eps) * w``; ``layer``: ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b``,
-    both over the *full* last dim, in float32. Rank r holds x_r (a Column's output) and w_r; the sums
+    ``rms``: ``y = x / sqrt(mean(x^2) + eps) * w``; ``layer``: ``y = (x - mean(x)) / sqrt(var(x) + eps) * w + b``;
+    ``l2``: ``y = x / sqrt(sum(x^2) + eps) [* w]`` (a projection onto the unit sphere, as nGPT's, often without a
+    weight), all over the *full* last dim, in float32. Rank r holds x_r (a Column's output) and w_r; the sums
     sum(x_r) and sum(x_r^2) are all-reduced in forward, and their gradients all-reduced in backward
     (every rank's output depends on every rank's statistic). The weight is split with its features
     (``heads``/``sections``), so its gradient needs no collective. ``eps`` is read from the module's
     ``variance_epsilon`` or ``eps``. For norms over one head (``[head_dim]``), use ``grad_allreduce``.
     """
     kind: Literal["Norm"]
-    statistic: Literal["rms", "layer"] = Field(description="rms: RMSNorm; layer: LayerNorm (mean subtracted)")
+    statistic: Literal["rms", "layer", "l2"] = Field(
+        description="rms: RMSNorm; layer: LayerNorm (mean subtracted); l2: x / sqrt(sum(x^2) + eps), the module "
+        "may have no weight (then its entry takes no heads/sections: there is nothing to lay out)")
 
     @model_validator(mode="after")
     def _layout(self):
