@@ -12,7 +12,6 @@ import tpmap
 from tpmap import cli, verify
 from tpmap.engine.shard import gather_order, take
 
-
 ROOT_MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 
 
