@@ -283,7 +283,8 @@ def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
     norm = next(m for m in plan.modules if m.name == "model.layers.0.mlp.ffn_sub_norm")
     assert norm.style == "norm" and norm.statistic == "l2" and norm.weight is None and norm.bias is None
     assert not [n for n in plan.params if "sub_norm" in n]  # nothing to read or slice from a checkpoint
-    text = (ROOT_MAPPINGS / "dory.yaml").read_text().replace("    statistic: l2\n", "    statistic: l2\n    heads: 12\n", 1)
+    text = (ROOT_MAPPINGS / "dory.yaml").read_text()
+    text = text.replace("    statistic: l2\n", "    statistic: l2\n    heads: 12\n", 1)
     with pytest.raises(ModuleKindError, match=r"has no weight to lay out: remove heads/sections/groups"):
         tpmap.plan(model, 2, mapping=source.load_text(text, "dory.yaml"))
 
