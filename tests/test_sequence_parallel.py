@@ -113,6 +113,9 @@ REFUSED = {
     # refused by its mapping: the tower reads every patch's grid position beside the hidden states
     **dict.fromkeys(["gemma4", "gemma4_vision"], "grid position"),
     "gemma4_audio": "mixes neighbouring tokens",  # the conformer's depthwise causal Conv1d
+    # OmniASR's Wav2Vec2-style feature encoder inside the composed model: a ModuleList stack of strided Conv1d
+    # layers over the waveform (the tower alone, omniasr_audio, runs split: its stem is before the first block)
+    "omniasr": "mixes neighbouring tokens",
     "moshi": "rotary cos/sin itself from the position_ids",  # computed inside the attention, from full-length ids
     # refused by its mapping: a [B, T, T] attention mask split as a per-token input, read with the whole query length
     "cpmant": "[B, T, T] attention mask",
