@@ -92,7 +92,11 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "musicflamingo": "the tiny config of 'musicflamingo' is rejected: KeyError: 'model_type'",
                    # q/k/v/o are MoshiLinear wrappers (the nn.Linear one level down, `.linear`), which the
                    # drafter's attention names do not reach, and the MLP's fc1/fc2 differ in width by the gate
-                   "moshi": "no Column/Row pair"}
+                   "moshi": "no Column/Row pair",
+                   # the drafter cuts layer_types to its first 2 entries, both sliding (full attention every
+                   # sixth layer and the last), and the config requires a full_attention layer
+                   "neomme": "the tiny config of 'neomme' is rejected: ValueError: layer_types must contain at "
+                             "least one full_attention layer"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)

@@ -47,6 +47,9 @@ REFUSED = {
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
+    # NeoMME's exclusive self-attention: alpha [H], one tanh gate per head in a module of its own (applied per
+    # token; the engine refuses every Param outside a Column's module, as it cannot tell it from a scan's state)
+    "neomme": "split by a Param entry outside",
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
