@@ -55,7 +55,7 @@ REFUSED = {
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
-         "kolibri1", "laguna", "llama4_text",
+         "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
@@ -87,7 +87,8 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text",
+        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note",
+         "dots3_note_text",
          "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "jamba", "kimi_linear",
          "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
