@@ -92,7 +92,14 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "musicflamingo": "the tiny config of 'musicflamingo' is rejected: KeyError: 'model_type'",
                    # q/k/v/o are MoshiLinear wrappers (the nn.Linear one level down, `.linear`), which the
                    # drafter's attention names do not reach, and the MLP's fc1/fc2 differ in width by the gate
-                   "moshi": "no Column/Row pair"}
+                   "moshi": "no Column/Row pair",
+                   # the drafter cuts layer_types to its first 2 entries, both sliding (full attention every
+                   # sixth layer and the last), and the config requires a full_attention layer
+                   "neomme": "the tiny config of 'neomme' is rejected: ValueError: layer_types must contain at "
+                             "least one full_attention layer",
+                   # the drafter's tiny sizes give the text model's sliding layers other head counts than its
+                   # KV head count
+                   "dots3_note": "the tiny config of 'dots3_note' is rejected"}
 
 # shipped hybrid stacks whose config rejects a 2-layer layer_types: the draft keeps the default layer count,
 # with a note naming the rejection (the drafter cuts per-layer lists to 2 layers, which drops a layer kind)
@@ -121,8 +128,8 @@ def test_drafts_of_shipped_model_types_pass_the_schema(model_type):
         assert "with 2 layers the config or the model fails" in text and KEEPS_DEFAULT_LAYERS[model_type] in text
         return
     counts = [v for k, v in spec.config.items() if ("layers" in k or k == "n_layer") and type(v) is int]
-    counts += [v for sub in spec.config.values() if isinstance(sub, dict)  # nested encoder/decoder configs
-               for k, v in sub.items() if ("layers" in k or k == "n_layer") and type(v) is int]
+    counts += [v for sub in spec.config.values() if isinstance(sub, dict)  # nested encoder/decoder configs (and
+               for k, v in sub.items() if ("layers" in str(k) or k == "n_layer") and type(v) is int]  # per-layer dicts)
     assert counts and max(counts) <= 2, spec.config  # the tiny config keeps at most 2 layers everywhere
     transformers.AutoConfig.for_model(model_type, **spec.config)  # the verify config builds
 

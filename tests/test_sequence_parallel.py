@@ -51,12 +51,15 @@ REFUSED = {
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
+    # NeoMME's exclusive self-attention: alpha [H], one tanh gate per head in a module of its own (applied per
+    # token; the engine refuses every Param outside a Column's module, as it cannot tell it from a scan's state)
+    "neomme": "split by a Param entry outside",
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
-         "kolibri1", "laguna", "llama4_text",
+         "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4_text",
          "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
@@ -88,7 +91,8 @@ REFUSED = {
     "janus": "mixes neighbouring tokens",  # its VQ-VAE's ResNet blocks (a ModuleList stack) of 3 x 3 Conv2d
     "florence2": "mixes neighbouring tokens",  # its DaViT tower's Conv2d patch embeddings and depthwise convs
     **dict.fromkeys(  # Columns after an Enter (MLA's low-rank path, SSM projections), LSH/RWKV, a gathered sparse MLP
-        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note_text",
+        ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots3_note",
+         "dots3_note_text",
          "falcon_mamba", "gemma3n_text", "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "jamba", "kimi_linear",
          "longcat_flash", "mamba", "minicpm3", "reformer", "rwkv", "sarvam_mla", "youtu", "zamba", "zamba2"],
         "does not follow the Column -> Row pattern"),
