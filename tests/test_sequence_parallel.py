@@ -91,9 +91,11 @@ REFUSED = {
     # DeepSeek-V4's shared KV head (and its compressor's entries): a whole kv_norm under an Enter feeding the heads
     "deepseek_v4": "it is under a Enter entry",
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
-    **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
+    **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension (Qwen2.5-Omni's
+        # thinker: its audio encoder's packed (N, H) frames too)
         ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
-         "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
+         "paddleocr_vl_vision", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "video_llama_3",
+         "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers, Granite-4-Vision's layerwise / spatial Q-Former projectors
