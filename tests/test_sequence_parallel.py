@@ -98,8 +98,10 @@ REFUSED = {
          "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
-    # tower's blocks / DeepStack mergers, Granite-4-Vision's layerwise / spatial Q-Former projectors
-    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_vl", "qwen3_vl_moe", "xlm"],
+    # tower's blocks / DeepStack mergers (Qwen3-Omni-MoE's thinker: blocks / merger_list), Granite-4-Vision's
+    # layerwise / spatial Q-Former projectors
+    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_omni_moe_thinker", "qwen3_vl",
+                     "qwen3_vl_moe", "xlm"],
                     "sibling ModuleLists"),
     # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
     # so the engine takes 1 for that stack's batch and refuses the (B, T, H) hidden states at the first forward
