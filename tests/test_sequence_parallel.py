@@ -56,7 +56,8 @@ REFUSED = {
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
-        ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
+        ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "flex_olmo", "gpt_oss",
+         "granitemoe", "granitemoehybrid",
          "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl",
          "minimax_m3_vl_text", "mixtral",
          "olmoe", "qwen2_moe"],
