@@ -63,7 +63,8 @@ REFUSED = {
          "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
-        ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
+        ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "flex_olmo", "gpt_oss",
+         "granitemoe", "granitemoehybrid",
          "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl",
          "minimax_m3_vl_text", "mixtral",
          "olmoe", "qwen2_moe"],
@@ -99,13 +100,17 @@ REFUSED = {
     # DeepSeek-V4's shared KV head (and its compressor's entries): a whole kv_norm under an Enter feeding the heads
     "deepseek_v4": "it is under a Enter entry",
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
-    **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
+    **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension (Qwen2.5-Omni's
+        # thinker: its audio encoder's packed (N, H) frames too)
         ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
-         "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
+         "paddleocr_vl_vision", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "video_llama_3",
+         "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
-    # tower's blocks / DeepStack mergers, Granite-4-Vision's layerwise / spatial Q-Former projectors
-    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_vl", "qwen3_vl_moe", "xlm"],
+    # tower's blocks / DeepStack mergers (Qwen3-Omni-MoE's thinker: blocks / merger_list), Granite-4-Vision's
+    # layerwise / spatial Q-Former projectors
+    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_omni_moe_thinker", "qwen3_vl",
+                     "qwen3_vl_moe", "xlm"],
                     "sibling ModuleLists"),
     # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
     # so the engine takes 1 for that stack's batch and refuses the (B, T, H) hidden states at the first forward
