@@ -82,6 +82,9 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # vision-language configs whose text settings live in text_config: the causal-LM class the
                    # drafter builds reads config.vocab_size at the top level
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
+                   # its vision_config defaults text_hidden_size to the full model's width, and the config's own
+                   # check (it must equal text_config.hidden_size) rejects the drafter's tiny text width
+                   "inkling2_loop": "vision_config.text_hidden_size. \\(4608\\) must match",
                    "qwen3_5_moe": "building Qwen3_5MoeForCausalLM from the tiny config failed",
                    "qwen4_exp": "building Qwen4ExpForCausalLM from the tiny config failed",
                    # Emu3ForCausalLM is built from Emu3TextConfig (emu3_text_model), not Emu3Config, which holds

@@ -77,7 +77,8 @@ REFUSED = {
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
          "minicpmv4_7",
-         "inkling2_loop_text", "inkling2_text", "inkling_text", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+         "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_text", "olmo_hybrid", "qwen3_5",
+         "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zaya"],
         "mixes neighbouring tokens"),
     # InstructBLIP's Q-Former attends from its query tokens' slice of [queries | instruction] (not the hidden states)
@@ -102,8 +103,8 @@ REFUSED = {
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension (Qwen2.5-Omni's
         # thinker: its audio encoder's packed (N, H) frames too)
-        ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
-         "paddleocr_vl_vision", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "video_llama_3",
+        ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "inkling2_vision",
+         "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "video_llama_3",
          "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
