@@ -47,6 +47,9 @@ REFUSED = {
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
     "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
+    # UDOP's aggregated relative-bias tables (1-D, horizontal, vertical) sit in a ModuleList, which lint counts as a
+    # repeated block, so a Column there finds no Row: they are split by heads as a Param, which SP refuses
+    "udop": "split by a Param entry outside",
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
