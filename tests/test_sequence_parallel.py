@@ -66,8 +66,9 @@ REFUSED = {
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
     # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention:
-    # rel_pos_h / rel_pos_w (PP-Chart2Table is GOT-OCR2's architecture)
-    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus", "pp_chart2table"],
+    # rel_pos_h / rel_pos_w (PP-Chart2Table is GOT-OCR2's architecture; PP-FormulaNet has its vision tower)
+    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus", "pp_chart2table",
+                     "pp_formulanet"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
