@@ -51,9 +51,14 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # the image tokens at five decoder layers; the unsharded fp32 model's own gradients are O(1) from float64 on the
 # vision tower's and the Q-Formers' q/k weights: 9.3e-4 (spatial_projectors.0 cross-attention query) at ws 2 in
 # fp32, while the fp64 check of the same case is 3.1e-12
+# PP-FormulaNet: the image features pass the SAM neck's channel LayerNorms and two convs before the decoder, whose
+# cross-attention reads only 4 image positions (a saturated softmax under the large init); the unsharded fp32
+# model's own logits are 2.7e-5 from float64 (a declared forward tolerance): at ws 2 in fp32 the neck's layer_norm2
+# weight gradient 1.70e-4 and decoder.layers.1.encoder_attn.q_proj.bias 1.03e-3 (over 10x); the fp64 check of the
+# same case within its bound
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
               "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10, "hy_v4_vl": 10,
-              "granite4_vision": 10}
+              "granite4_vision": 10, "pp_formulanet": 30}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,

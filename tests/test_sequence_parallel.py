@@ -54,6 +54,9 @@ REFUSED = {
     # NeoMME's exclusive self-attention: alpha [H], one tanh gate per head in a module of its own (applied per
     # token; the engine refuses every Param outside a Column's module, as it cannot tell it from a scan's state)
     "neomme": "split by a Param entry outside",
+    # UDOP's aggregated relative-bias tables (1-D, horizontal, vertical) sit in a ModuleList, which lint counts as a
+    # repeated block, so a Column there finds no Row: they are split by heads as a Param, which SP refuses
+    "udop": "split by a Param entry outside",
     "switch_transformers": "(experts)",  # experts see the tokens routed to them
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
@@ -71,8 +74,9 @@ REFUSED = {
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
     # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention:
-    # rel_pos_h / rel_pos_w
-    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
+    # rel_pos_h / rel_pos_w (PP-Chart2Table is GOT-OCR2's architecture; PP-FormulaNet has its vision tower)
+    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus", "pp_chart2table",
+                     "pp_formulanet"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
