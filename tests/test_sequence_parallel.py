@@ -51,7 +51,7 @@ REFUSED = {
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
-        ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
+        ["afmoe", "beam", "dbrx", "deepseek_ocr2_text", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
          "kolibri1", "laguna", "llama4_text",
          "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
         "under a Reduce entry"),
@@ -62,9 +62,9 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention:
-    # rel_pos_h / rel_pos_w
-    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
+    # convolution along the frames); GOT-OCR2's, DeepSeek-VL-hybrid's and DeepSeek-OCR-2's SAM-style vision
+    # attention: rel_pos_h / rel_pos_w
+    **dict.fromkeys(["deepseek_ocr2", "deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
