@@ -51,9 +51,9 @@ REFUSED = {
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
-        ["afmoe", "beam", "dbrx", "deepseek_ocr2_text", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
-         "kolibri1", "laguna", "llama4_text",
-         "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
+        ["afmoe", "beam", "dbrx", "deepseek_ocr2_text", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe",
+         "hunyuan_v1_moe", "kolibri1", "laguna", "llama4_text",
+         "mellum", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open", "unlimited_ocr_text"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "flex_olmo", "gpt_oss", "granitemoe", "granitemoehybrid",
@@ -62,9 +62,10 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames); GOT-OCR2's, DeepSeek-VL-hybrid's and DeepSeek-OCR-2's SAM-style vision
-    # attention: rel_pos_h / rel_pos_w
-    **dict.fromkeys(["deepseek_ocr2", "deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus"],
+    # convolution along the frames); GOT-OCR2's, DeepSeek-VL-hybrid's, DeepSeek-OCR-2's and Unlimited-OCR's
+    # SAM-style vision attention: rel_pos_h / rel_pos_w
+    **dict.fromkeys(["deepseek_ocr2", "deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus",
+                     "unlimited_ocr"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
