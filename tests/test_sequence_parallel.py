@@ -93,7 +93,7 @@ REFUSED = {
     "deepseek_v4": "it is under a Enter entry",
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension
-        ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
+        ["cosmos3_edge", "exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "paddleocr_vl",
          "paddleocr_vl_vision", "qwen2_5_vl", "qwen2_vl", "video_llama_3", "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
