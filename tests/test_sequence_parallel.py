@@ -61,9 +61,9 @@ REFUSED = {
     "nllb-moe": "(experts)",
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
-        ["afmoe", "beam", "dbrx", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe", "hunyuan_v1_moe",
-         "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4_text",
-         "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open"],
+        ["afmoe", "beam", "dbrx", "deepseek_ocr2_text", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe",
+         "hunyuan_v1_moe", "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4_text",
+         "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open", "unlimited_ocr_text"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "flex_olmo", "gpt_oss",
@@ -73,10 +73,11 @@ REFUSED = {
          "olmoe", "qwen2_moe"],
         "matrix kept whole inside a block"),
     # Granite Speech's Conformer: the relative-position table shared by every head (and a depthwise
-    # convolution along the frames); GOT-OCR2's and DeepSeek-VL-hybrid's SAM-style vision attention:
-    # rel_pos_h / rel_pos_w (PP-Chart2Table is GOT-OCR2's architecture; PP-FormulaNet has its vision tower)
-    **dict.fromkeys(["deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus", "pp_chart2table",
-                     "pp_formulanet"],
+    # convolution along the frames); GOT-OCR2's, DeepSeek-VL-hybrid's, DeepSeek-OCR-2's and Unlimited-OCR's
+    # SAM-style vision attention: rel_pos_h / rel_pos_w (PP-Chart2Table is GOT-OCR2's architecture; PP-FormulaNet
+    # has its vision tower)
+    **dict.fromkeys(["deepseek_ocr2", "deepseek_vl_hybrid", "got_ocr2", "granite_speech", "granite_speech_plus",
+                     "pp_chart2table", "pp_formulanet", "unlimited_ocr"],
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
@@ -107,7 +108,7 @@ REFUSED = {
     **dict.fromkeys(["jetmoe", "squeezebert"], "nothing in its blocks is split"),  # no Column in the blocks
     **dict.fromkeys(  # a vision tower over packed patches (N, H) of every image, no batch dimension (Qwen2.5-Omni's
         # thinker: its audio encoder's packed (N, H) frames too)
-        ["exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "inkling2_vision",
+        ["cosmos3_edge", "exaone4_5", "glm46v", "glm4v", "glm_ocr", "glmga", "hyperclovax_vision_v2", "inkling2_vision",
          "paddleocr_vl", "paddleocr_vl_vision", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "video_llama_3",
          "video_llama_3_vision"],
         "not hidden states (B, T, H)"),
