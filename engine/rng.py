@@ -60,7 +60,10 @@ def has_dropout(model: nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
-        for holder in (module, getattr(module, "config", None)):
+        config = getattr(module, "config", None)
+        if isinstance(config, float) and config > 0:
+            return True  # a probability stored as `config` (Idefics' gated cross-attention layer): assume dropout
+        for holder in (module, config if hasattr(config, "__dict__") else None):
             for key, value in (vars(holder).items() if holder is not None else ()):
                 if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
                     return True

@@ -288,3 +288,24 @@ def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
     with pytest.raises(ModuleKindError, match=r"has no weight to lay out: remove heads/sections/groups"):
         tpmap.plan(model, 2, mapping=source.load_text(text, "dory.yaml"))
 
+
+
+def test_has_dropout_reads_modules_their_configs_and_a_probability_stored_as_config():
+    """Idefics' gated cross-attention layer keeps its dropout probability as `self.config` (a float): reading its
+    attributes as a config's raised TypeError (vars() of a float) at every apply; it counts as a dropout now."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tpmap.engine.rng import has_dropout
+
+    def holding(**attributes):
+        module = nn.Module()
+        module.__dict__.update(attributes)
+        return module
+
+    assert not has_dropout(holding(config=SimpleNamespace(attention_dropout=0.0)))
+    assert has_dropout(holding(config=SimpleNamespace(attention_dropout=0.1)))
+    assert has_dropout(holding(resid_pdrop=0.1)) and has_dropout(nn.Dropout(0.1)) and not has_dropout(nn.Dropout(0.0))
+    assert has_dropout(holding(config=0.1)) and not has_dropout(holding(config=0.0))
+    assert not has_dropout(holding(config="name"))  # neither a config object nor a probability
