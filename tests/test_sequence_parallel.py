@@ -114,8 +114,8 @@ REFUSED = {
         "not hidden states (B, T, H)"),
     # blocks spread over sibling ModuleLists that one loop interleaves: XLM's attentions / ffns, the Qwen3-VL
     # tower's blocks / DeepStack mergers (Qwen3-Omni-MoE's thinker: blocks / merger_list), Granite-4-Vision's
-    # layerwise / spatial Q-Former projectors
-    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "qwen3_omni_moe_thinker", "qwen3_vl",
+    # layerwise / spatial Q-Former projectors, IDEFICS' gated cross-attention layers / decoder layers
+    **dict.fromkeys(["cohere_compass", "flaubert", "granite4_vision", "idefics", "qwen3_omni_moe_thinker", "qwen3_vl",
                      "qwen3_vl_moe", "xlm"],
                     "sibling ModuleLists"),
     # Gemma 4 Unified calls its language model with position_ids [1, T] as the first tensor (the mask is a dict),
