@@ -198,8 +198,8 @@ class Planner:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         for i, entry in enumerate(self.loaded.mapping.entries):
-            if not entry_applies(entry, self.loaded.config_of("entries", i, self.config),
-                                 self.loaded.mapping.config_defaults):
+            config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
+            if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
                 continue
             self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
@@ -216,7 +216,7 @@ class Planner:
                                     f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
                                     f"{suggest_module(entry.module, self.names)}", "module", rule="pattern-no-match")
                 if entry.when_layer:  # a config without such layers has nothing to select, as `when` (lint: when-never)
-                    matched = self.select_layers(entry, ctx, matched, self.loaded.config_of("entries", i, self.config))
+                    matched = self.select_layers(entry, ctx, matched, config)
                 for rel in matched:
                     before = len(self.errors) if self.errors is not None else 0
                     kinds[type(entry)](entry, ctx, self.modules[rel], self.prefix + rel)
@@ -460,9 +460,10 @@ class Planner:
         """A norm over split features: its weight (and bias) split like them, statistics all-reduced."""
         weight = getattr(module, "weight", None)
         own = [n for n, _ in module.named_parameters(recurse=False)]
+        eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon")
+                    if isinstance(getattr(module, a, None), float)), None)
         if entry.statistic == "l2" and not own and weight is None:  # nothing to split: only the statistic
-            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-            if not isinstance(eps, float) or list(module.children()):
+            if eps is None or list(module.children()):
                 raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not an L2 norm module: "
                                 "no float eps / variance_epsilon, or it has submodules", "module", rule="module-kind")
             if entry.heads is not None or entry.sections is not None or entry.groups is not None:
@@ -475,8 +476,6 @@ class Planner:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or set(own) - {"weight", "bias"}:
             raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not a norm with a 1-D weight "
                             "(+bias)", "module", rule="module-kind")
-        eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon")
-                    if isinstance(getattr(module, a, None), float)), None)
         if eps is None:
             raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no float variance_epsilon/eps "
                             "attribute to read the epsilon from", "module", rule="module-kind")

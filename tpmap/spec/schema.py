@@ -31,8 +31,8 @@ Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms acros
 Every entry may carry ``when: {config_attribute: value}``: it applies only to configs that match, so
 one file covers a family's config variants; ``when_layer: {per_layer_list: value}``: it applies only to the
 matched modules of the layers whose entry of that config list matches (sliding vs full attention layers
-of one class); and ``transformers: <range>``: it applies only on those
-releases of transformers, for a module that a release renamed. An attribute that a config lacks reads as the mapping's
+of one class); and ``transformers: <range>``: it applies only on those releases of transformers, for a
+module that a release renamed. An attribute that a config lacks reads as the mapping's
 ``config_defaults`` value for it (the default the model's own ``getattr(config, key, default)`` uses), else
 as ``null``.
 
@@ -662,7 +662,7 @@ class Mapping(_Strict):
         "(a transformers bug, e.g. DBRX in 5.24 reads attn_config.rope_theta that its config does not define); "
         "lint applies them to the default config it checks `world_sizes` on. Real checkpoints carry their own."
     )
-    transformers: str | None = Field(
+    transformers: ReleaseRange = Field(
         None, description="the transformers releases this mapping needs, a PEP 440 range such as '>=5.24', where "
         "it is narrower than tpmap's own (the model type or a module attribute it relies on appeared in a later "
         "release): lint and verify skip the file on other releases, saying so, and apply refuses it"
@@ -706,8 +706,6 @@ class Mapping(_Strict):
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
-
-    _v_transformers = field_validator("transformers")(lambda v: _check_release_range(v))
 
     _v_replicated = field_validator("replicated", "grad_allreduce")(
         lambda v: [_check_pattern(p) if isinstance(p, str) else p for p in v])
