@@ -6,6 +6,12 @@ unsharded model on the GPU: forward, gradients (replicated KV heads at world siz
 and train-mode dropout (the CUDA generator is swapped in sharded regions). Also times forwards.
 
     python benchmarks/gpu_check.py [--world-sizes 2 4]     # prints one line per case, then a verdict
+    python benchmarks/gpu_check.py --symm-mem              # needs one GPU per rank (2 or more)
+
+`--symm-mem` compares NCCL with the opt-in symmetric-memory all-reduce (engine.symm_mem, TPMAP_SYMM_MEM=1)
+on NCCL ranks, one GPU each: the latency of one all-reduce per message size and dtype, whether every rank
+holds the same bits and how far they are from NCCL's sum, and a sharded Llama's logits and greedy tokens
+with the switch on against off.
 """
 from __future__ import annotations
 
@@ -82,13 +88,125 @@ def rank_check(ref: str, index: int, cls: str) -> dict:
             "ms_sharded": timings["sharded"]}
 
 
+def _time_all_reduce(x: torch.Tensor, symm: bool, rounds: int = 200) -> float:
+    """Microseconds per all-reduce of x (a fresh copy each call, as the engine's backward hooks make)."""
+    import os
+
+    import torch.distributed as dist
+
+    from tpmap.engine.collectives import all_reduce_
+
+    os.environ["TPMAP_SYMM_MEM"] = "1" if symm else "0"
+    copies = [x.clone() for _ in range(rounds)]
+    for t in copies[:10]:
+        all_reduce_(t, None)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for t in copies:
+        all_reduce_(t, None)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / rounds * 1e6
+
+
+def rank_symm_mem(sizes_kib: list[int]) -> dict:
+    """On NCCL ranks, one GPU each: NCCL against TPMAP_SYMM_MEM=1 (engine.symm_mem)."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tpmap
+    from tpmap.engine import symm_mem
+    from tpmap.engine.collectives import all_reduce_
+
+    device, ws = torch.device("cuda", torch.cuda.current_device()), dist.get_world_size()
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for kib in sizes_kib:
+            g = torch.Generator(device=device).manual_seed(dist.get_rank())
+            x = torch.randn(kib * 1024 // dtype.itemsize, device=device, generator=g).to(dtype)
+            os.environ["TPMAP_SYMM_MEM"] = "0"
+            nccl = all_reduce_(x.clone(), None)
+            os.environ["TPMAP_SYMM_MEM"] = "1"
+            took = symm_mem.for_group(x, None) is not None
+            symm = all_reduce_(x.clone(), None)
+            everyone = [torch.empty_like(symm) for _ in range(ws)]
+            dist.all_gather(everyone, symm)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "kib": kib, "symm_taken": took,
+                         "ranks_agree": all(torch.equal(everyone[0], e) for e in everyone),
+                         "rel_vs_nccl": ((symm.float() - nccl.float()).abs().max() / nccl.float().abs().max()).item(),
+                         "us_nccl": _time_all_reduce(x, False), "us_symm": _time_all_reduce(x, True)})
+    cfg = AutoConfig.for_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                               intermediate_size=1024, num_hidden_layers=4, vocab_size=1024, initializer_range=0.1)
+    torch.manual_seed(0)
+    cpu_model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    model = tpmap.apply(cpu_model, ws).to(device).eval()
+    out = {}
+    for switch in ("0", "1"):
+        os.environ["TPMAP_SYMM_MEM"] = switch
+        with torch.no_grad():
+            out[switch] = (model(ids).logits.float(),
+                           model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0))
+    os.environ["TPMAP_SYMM_MEM"] = "0"
+    logits_rel = ((out["1"][0] - out["0"][0]).abs().max() / out["0"][0].abs().max()).item()
+    return {"rows": rows, "logits_rel": logits_rel, "same_tokens": torch.equal(out["0"][1], out["1"][1])}
+
+
+def check_symm_mem(world_sizes: list[int]) -> int:
+    from tpmap.launch import RankFailure, Ranks, Setup, drain
+
+    failed = checked = 0
+    for ws in world_sizes:
+        if torch.cuda.device_count() < ws:
+            print(f"ws{ws} symm-mem: skipped, {torch.cuda.device_count()} GPU(s) here; NCCL needs one per rank",
+                  flush=True)
+            continue
+        ranks = Ranks(ws, Setup(backend="nccl", devices=tuple(f"cuda:{r}" for r in range(ws)), threads=1,
+                                collective_timeout=120))
+        try:
+            ranks.start(timeout=300)
+            outcomes = drain(ranks.answers(ranks.submit(rank_symm_mem, [6, 32, 256, 1024]), 600, "symm-mem check"))
+        except RankFailure as e:
+            print(f"ws{ws} symm-mem: FAIL\n{e}", flush=True)
+            failed += 1
+            continue
+        finally:
+            ranks.stop()
+        if not all(o.ok for o in outcomes):
+            print(f"ws{ws} symm-mem: FAIL\n" + "\n".join(o.error for o in outcomes if not o.ok), flush=True)
+            failed += 1
+            continue
+        r0, checked = outcomes[0].value, checked + 1
+        for row in r0["rows"]:
+            ok = row["symm_taken"] and row["ranks_agree"] and row["rel_vs_nccl"] < (1e-2 if row["dtype"] == "bfloat16"
+                                                                                     else 1e-5)
+            failed += not ok
+            print(f"ws{ws} all-reduce {row['dtype']:8s} {row['kib']:5d} KiB: NCCL {row['us_nccl']:7.1f} us, "
+                  f"symm-mem {row['us_symm']:7.1f} us ({row['us_nccl'] / row['us_symm']:.2f}x), ranks agree "
+                  f"{row['ranks_agree']}, rel vs NCCL {row['rel_vs_nccl']:.1e}  {'ok' if ok else 'FAIL'}", flush=True)
+        ok = r0["logits_rel"] < 1e-5 and r0["same_tokens"]
+        failed += not ok
+        print(f"ws{ws} llama logits symm-mem vs NCCL rel {r0['logits_rel']:.1e}, same tokens {r0['same_tokens']}  "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+    if not checked and not failed:
+        print("nothing checked: no world size had a GPU per rank")
+        return 1
+    print(f"{'all ok' if not failed else f'{failed} failed'}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     from tpmap.launch import RankFailure, RankPool
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--symm-mem", action="store_true", help="NCCL against TPMAP_SYMM_MEM=1 (2+ GPUs)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
+    if args.symm_mem:
+        return check_symm_mem(args.world_sizes)
     failed = 0
     for ws in args.world_sizes:
         with RankPool(ws) as pool:

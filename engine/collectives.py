@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from tpmap.engine import shm as shm_path
+from tpmap.engine import symm_mem
 
 
 def _world(group) -> int:
@@ -102,6 +103,11 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_(t: torch.Tensor, group) -> torch.Tensor:
     """In-place sum over the group of a contiguous tensor no one else reads (a gradient hook's copy)."""
+    if t.is_cuda:  # NCCL, or torch's symmetric memory for small messages where TPMAP_SYMM_MEM=1 (engine.symm_mem)
+        if (symm := symm_mem.for_group(t, group)) is not None:
+            return symm.all_reduce_(t)
+        dist.all_reduce(t, group=group)
+        return t
     shm = _shm(t, group)
     if shm is not None:
         return shm_path.all_reduce(t, shm)

@@ -224,3 +224,19 @@ def model_both_paths(rank: int, ws: int) -> dict:
             "same_logits": same_logits, "grads_equal": grads_equal, "grad_rel": grad_rel,
             "same_tokens": torch.equal(out["shm"][2], out["gloo"][2]),
             "tokens_vs_unsharded": torch.equal(out["shm"][2], ref.generate(ids, max_new_tokens=5, do_sample=False))}
+
+
+def symm_mem_switch(rank: int, ws: int) -> dict:
+    """TPMAP_SYMM_MEM=1 (torch's symmetric memory, engine.symm_mem) on a gloo group: asked for directly, it
+    refuses with the reason; CPU all-reduces through the engine ignore it (their path is engine.shm or gloo)."""
+    from tpmap.engine import collectives as C
+    from tpmap.engine import symm_mem
+
+    try:
+        symm_mem.for_group(torch.zeros(4), None)
+        refused = None
+    except symm_mem.SymmMemUnavailableError as e:
+        refused = str(e)
+    x = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    total = C.all_reduce_(x.clone(), None)
+    return {"refused": refused, "sum_ok": torch.equal(total, torch.arange(6, dtype=torch.float32) * ws * (ws + 1) / 2)}
