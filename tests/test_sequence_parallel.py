@@ -62,7 +62,7 @@ REFUSED = {
     "xmod": "(experts)",  # its per-language adapters: a ModuleDict called with each language's tokens
     **dict.fromkeys(  # experts
         ["afmoe", "beam", "dbrx", "deepseek_ocr2_text", "dots1", "exaone_moe", "flint", "glm4_moe", "glm4v_moe",
-         "hunyuan_v1_moe", "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4_text",
+         "hunyuan_v1_moe", "dots3_note_vision_encoder", "kolibri1", "laguna", "llama4", "llama4_text",
          "mellum", "mimo_v2_flash", "phimoe", "qwen3_moe", "sarvam_moe", "solar_open", "unlimited_ocr_text"],
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
@@ -127,6 +127,8 @@ REFUSED = {
     "granite_docling": "pixel-shuffles the DeepStack taps",
     # refused by its mapping: the tower reads every patch's grid position beside the hidden states
     **dict.fromkeys(["gemma4", "gemma4_vision"], "grid position"),
+    # refused by its mapping: the 2-D rotary frequencies of every patch beside the hidden states, a pixel shuffle
+    "llama4_vision_model": "rotary frequencies",
     "gemma4_audio": "mixes neighbouring tokens",  # the conformer's depthwise causal Conv1d
     # OmniASR's Wav2Vec2-style feature encoder inside the composed model: a ModuleList stack of strided Conv1d
     # layers over the waveform (the tower alone, omniasr_audio, runs split: its stem is before the first block)
