@@ -52,6 +52,9 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="run the full tier: every family at every world size and the tests marked full "
                           "(what CI runs); without it, the default tier (see tests/conftest.py)")
+    parser.addoption("--only-beyond-newest", action="store_true", default=False,
+                     help="only the cases of mappings whose own `transformers` range excludes the newest proven "
+                          "release (the main run skips them): .ci/run runs these on the oldest release")
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +103,39 @@ def _full_only(item) -> bool:
 _LEFT_TO_FULL: list[int] = []
 
 
+def _release_range(arch: str | None, cache: dict = {}) -> str | None:  # noqa: B006 (a cache per session)
+    """The shipped mapping `arch`'s own `transformers` range (None: none, or not a shipped mapping)."""
+    from tpmap import verify
+    from tpmap.spec import source
+
+    if arch not in cache:
+        cache[arch] = verify.resolve(arch).mapping.transformers if arch in source.shipped_files() else None
+    return cache[arch]
+
+
+def _skip_outside_range(items) -> None:
+    """A case of a mapping whose own range excludes the installed transformers is skipped, saying so: .ci/run
+    proves it on the releases in its range (`--only-beyond-newest` on the oldest)."""
+    import transformers
+
+    from tpmap.compat import mapping_applies
+
+    for item in items:
+        spec = _release_range(_architecture(item))
+        if spec is not None and not mapping_applies(spec):
+            item.add_marker(pytest.mark.skip(reason=f"mappings/{_architecture(item)}.yaml needs transformers{spec}; "
+                                                    f"{transformers.__version__} is installed"))
+
+
 def pytest_collection_modifyitems(config, items):
+    from tpmap.compat import PROVEN, mapping_applies
+
+    if config.getoption("--only-beyond-newest"):
+        keep = [i for i in items if (spec := _release_range(_architecture(i))) is not None
+                and not mapping_applies(spec, PROVEN[-1])]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+    _skip_outside_range(items)
     if config.getoption("--full"):
         return
     keep, left = [], []

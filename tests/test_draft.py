@@ -84,6 +84,8 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    # vision-language configs whose text settings live in text_config: the causal-LM class the
                    # drafter builds reads config.vocab_size at the top level
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",
+                   # the same (5.23, where the llama4 mapping is proven): the causal LM reads pad_token_id at the top
+                   "llama4": "building Llama4ForCausalLM from the tiny config failed",
                    # its vision_config defaults text_hidden_size to the full model's width, and the config's own
                    # check (it must equal text_config.hidden_size) rejects the drafter's tiny text width
                    "inkling2_loop": "vision_config.text_hidden_size. \\(4608\\) must match",

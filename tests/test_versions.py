@@ -26,6 +26,8 @@ def test_pyproject_range_is_the_range_tpmap_checks_and_ci_installs():
     ci = (ROOT / ".ci" / "run").read_text()
     oldest, newest = compat.PROVEN
     assert f"transformers=={oldest}" in ci  # the oldest release gets every mapping linted and verified
+    # ... and the whole test set of a mapping whose own range excludes the newest release (skipped in the main run)
+    assert ci.index(f"transformers=={oldest}") < ci.index("pytest -q --full --only-beyond-newest")
     assert transformers.__version__ == newest or not re.match(r"5\.\d+\.\d+$", transformers.__version__)
 
 
@@ -74,6 +76,31 @@ def test_a_mapping_range_that_excludes_the_installed_release_is_skipped_by_lint_
         api.plan(model, 2, mapping=str(path))
     path.write_text(_mapping_text(f"transformers: '>={transformers.__version__}'"))
     assert lint_file(str(path)) == []  # admitted: linted as usual
+
+
+def test_the_suite_skips_a_mapping_outside_its_range_and_ci_selects_it_on_the_oldest():
+    """tests/conftest.py: a case of a mapping whose range excludes the installed release is skipped with the reason;
+    --only-beyond-newest keeps exactly the cases of mappings whose range excludes the newest proven release."""
+    import conftest
+
+    beyond = [m for m in source.shipped_files() if (spec := conftest._release_range(m)) is not None
+              and not compat.mapping_applies(spec, compat.PROVEN[-1])]
+    assert "llama4" in beyond  # 5.24 cannot run Llama4ForConditionalGeneration even unsharded
+    assert "llama4_text" not in beyond and "llama" not in beyond and "dory" not in beyond  # dory: >=5.24
+
+    class Item:  # what the hook reads of a collected case, and records its marks
+        def __init__(self, ref):
+            self.callspec, self.marks = type("CallSpec", (), {"params": {"ref": ref}})(), []
+
+        def add_marker(self, mark):
+            self.marks.append(mark)
+
+    items = [Item("llama4"), Item("llama"), Item("no_such_type")]
+    conftest._skip_outside_range(items)
+    here = compat.mapping_applies(conftest._release_range("llama4"))
+    assert [len(i.marks) for i in items] == [0 if here else 1, 0, 0]
+    if not here:
+        assert "mappings/llama4.yaml needs transformers<5.24" in items[0].marks[0].kwargs["reason"]
 
 
 def test_a_malformed_range_is_a_located_schema_error(tmp_path):

@@ -142,7 +142,8 @@ def render(table: list[Row]) -> str:
         f"Transformers versions proven: {' and '.join(PROVEN)}, the oldest and the newest release of the range "
         f"tpmap accepts (transformers{TRANSFORMERS}; `tpmap.compat`): CI runs every check below on {PROVEN[-1]} "
         f"and lints and verifies (forward, every world size) every mapping on {PROVEN[0]}. A mapping with its "
-        "own `transformers` range is checked only on the releases in it (its notes say so).",
+        "own `transformers` range is checked only on the releases in it (its notes say so); one whose range "
+        f"excludes {PROVEN[-1]} gets every check below on {PROVEN[0]}.",
         "",
         f"{len(table)} model types: {len(by_kind['text'])} of the {len(text)} text types of transformers "
         f"{PROVEN[-1]}'s causal-LM, seq2seq-LM and masked-LM auto mappings, {len(by_kind['multimodal'])} of the "
