@@ -6,8 +6,8 @@ the meta device under its init context, the conversion mapping, tying, initializ
 the loading report, the generation config); only the reading differs:
 
 1. open the folder (`tpmap.checkpoint.safetensors`): every file's header is checked, nothing read yet;
-2. refuse quantized checkpoints other than FP8 block-scaled ones, whose weights are paired with their scales and
-   dequantized as they are read (`tpmap.checkpoint.fp8`);
+2. refuse quantized checkpoints other than FP8 block-scaled and compressed-tensors ones, whose weights are paired
+   with their scales and dequantized as they are read (`tpmap.checkpoint.fp8`, `tpmap.checkpoint.compressed`);
    build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
    and check every shape; tie weights; build the plan (`engine.planner.build_plan`, every mapping check);
    up to here every bad input raises on every rank alike, before any collective;
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap import api
-from tpmap.checkpoint import conversion, quantize
+from tpmap.checkpoint import compressed, conversion, quantize
 from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
@@ -103,6 +103,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     model, dtype = _meta_model(request, checkpoint, model_class)
     block = block_size(folder, model.config)  # None: not quantized; every quantization but FP8 blocks is refused
     fp8 = Fp8Scales.take(checkpoint, block) if block is not None else None
+    if compressed.is_compressed(model.config):  # compressed-tensors: paired and checked like FP8's scales
+        fp8 = compressed.CompressedWeights.take(checkpoint, folder, model.config)
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
@@ -114,10 +116,12 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
+    if isinstance(fp8, compressed.CompressedWeights):
+        compressed.refuse_cut_groups(fp8, plan, lambda ws: _plan_or_none(model, loaded, ws))
     on_load = None
     if torchao_config is not None:
-        if block is not None:
-            raise UnsupportedConfigError(f"{folder} is stored quantized (FP8 blocks); quantization_config= quantizes "
+        if fp8 is not None:
+            raise UnsupportedConfigError(f"{folder} is stored quantized; quantization_config= quantizes "
                                          "an unquantized checkpoint on load: drop one of the two")
         on_load = quantize.OnLoadQuantization(torchao_config, model, plan, lambda ws: _plan_or_none(model, loaded, ws))
     missing = _missing(model, sources)
