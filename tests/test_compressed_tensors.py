@@ -24,12 +24,10 @@ pytest.importorskip("compressed_tensors")
 FORMATS = {"W8A8": "int-quantized", "FP8_DYNAMIC": "float-quantized", "W4A16": "pack-quantized"}
 
 
-def _quantized(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and name.endswith(".weight") and not any(s in name for s in ("embed", "lm_head", "norm"))
-
-
-def compress(folder: Path, preset: str, group_size: int | None = None) -> None:
-    """Turn the plain checkpoint in `folder` into compressed-tensors' layout for `preset`, in place."""
+def compress(folder: Path, preset: str, linears: set[str], group_size: int | None = None) -> None:
+    """Turn the plain checkpoint in `folder` into compressed-tensors' layout for `preset`, in place: the weights of
+    the nn.Linear modules `linears` (what the scheme's target "Linear" matches) and the experts' per-expert
+    weights (nn.Linear modules in the layout llm-compressor quantizes), lm_head left out as llm-compressor does."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -41,7 +39,8 @@ def compress(folder: Path, preset: str, group_size: int | None = None) -> None:
     compressor = BaseCompressor.get_value_from_registry(fmt)
     tensors, out = load_file(folder / "model.safetensors"), {}
     for name, t in tensors.items():
-        if not _quantized(name, t):
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and t.dim() == 2 and (module in linears or ".experts." in name)):
             out[name] = t
             continue
         w = t.float()  # [out, in]
@@ -66,12 +65,22 @@ FAMILIES = {
     # GQA: 2 KV heads, replicated at world size 4
     "llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
                             vocab_size=128)),
+    # experts stored one Linear each, fused into 3-D experts by transformers' conversion (dequantized first)
+    "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                num_local_experts=4, num_experts_per_tok=2, vocab_size=128)),
+    # MLA: low-rank q / kv projections kept whole, their up-projections split by heads
+    "deepseek_v3": ("deepseek_v3", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                                        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                                        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                        num_hidden_layers=2,
+                                        n_group=1, topk_group=1, vocab_size=128)),
 }
 
 
 def save(folder: Path, family: str, preset: str, group_size: int | None = None) -> Path:
     model_type, config = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, num_hidden_layers=1, max_position_embeddings=64, **config)
+    config = AutoConfig.for_model(model_type, **{"num_hidden_layers": 1, "max_position_embeddings": 64, **config})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -79,7 +88,8 @@ def save(folder: Path, family: str, preset: str, group_size: int | None = None) 
             if p.dim() > 1:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)
-    compress(folder, preset, group_size)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    compress(folder, preset, linears, group_size)
     return folder
 
 
@@ -88,13 +98,19 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # preset: (group size, the largest relative difference of transformers' logits, which fake-quantize activations)
-PRESETS = {"W4A16": (32, 1e-4), "W8A8": (None, 6e-2), "FP8_DYNAMIC": (None, 0.2)}
+PRESETS = {"W4A16": (32, 1e-4), "W8A8": (None, 6e-2), "FP8_DYNAMIC": (None, 0.5)}
+# transformers 5.24's own CPU load of int8 (int-quantized) experts fails in its MoE conversion ("Concatenate on tensors
+# destined for model.layers.0.mlp.experts.gate_up_proj. Ckpt contains: 0": its experts' decompression handles packed
+# and float8 weights only), so there is no reference: not run
+NO_REFERENCE = {("W8A8", "mixtral"), ("W8A8", "deepseek_v3")}
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.full)])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.full) for f in FAMILIES])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_compressed_tensors_checkpoint_loads_dequantized(ranks, tmp_path, preset, family, world_size):
+    if (preset, family) in NO_REFERENCE:
+        pytest.skip("transformers' CPU load of int8-quantized experts fails: no reference")
     group_size, bound = PRESETS[preset]
     folder = save(tmp_path / preset, family, preset, group_size)
     results = ranks(world_size).run(compressed_cases.load_compressed, str(folder))
@@ -112,3 +128,43 @@ def test_compressed_tensors_checkpoint_loads_dequantized(ranks, tmp_path, preset
     # each rank read about its share of the file, not all of it
     file_bytes = (folder / "model.safetensors").stat().st_size
     assert max(r["read"] for r in results) < (0.7 if world_size == 2 else 0.5) * file_bytes
+
+
+def test_a_group_a_shard_boundary_would_cut_is_refused_with_the_world_sizes_that_work(ranks, tmp_path):
+    """W4A16 in groups of 32 input features: down_proj's 160 features split 80 / 80 at world size 2, a boundary
+    inside the group [64, 96): refused on every rank before anything is read."""
+    FAMILIES["llama-160"] = ("llama", {**FAMILIES["llama"][1], "intermediate_size": 160})
+    try:
+        folder = save(tmp_path / "w4a16", "llama-160", "W4A16", 32)
+    finally:
+        del FAMILIES["llama-160"]
+    messages = ranks(2).run(compressed_cases.load_refused, str(folder))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("DivisibilityError: model.layers.0.mlp.down_proj.weight is stored quantized in "
+                                  "groups of 32 input features"), messages[0]
+    assert "at world size 2 a shard boundary falls at 80" in messages[0]
+    assert "World sizes that work: 1" in messages[0]
+
+
+@pytest.mark.parametrize(("preset", "data"), [("W8A8", "weight"), ("W4A16", "weight_packed")])
+def test_a_quantized_tensor_without_its_scale_is_an_error_on_every_rank(ranks, tmp_path, preset, data):
+    folder = save(tmp_path / preset, "llama", preset, PRESETS[preset][0])
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    messages = ranks(2).run(compressed_cases.load_refused, str(folder))
+    assert messages[0] == messages[1]
+    assert f"CheckpointError: model.safetensors:model.layers.0.mlp.up_proj.{data} (" in messages[0], messages[0]
+    assert "no model.layers.0.mlp.up_proj.weight_scale" in messages[0]
+
+
+def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_path):
+    import tpmap
+
+    folder = save(tmp_path / "w4a16", "llama", "W4A16", 32)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = None
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(tpmap.QuantizedCheckpointError, match="quant_method 'compressed-tensors' with weight strategy"):
+        tpmap.from_pretrained(folder)
