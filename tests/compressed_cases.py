@@ -30,10 +30,42 @@ def transformers_dequantized(folder: str) -> tuple[torch.nn.Module, torch.Tensor
     return plain.eval(), logits
 
 
-def load_compressed(folder: str) -> dict:
+def library_dequantized(folder: str, out: str) -> torch.nn.Module:
+    """A plain model of the weights compressed-tensors' own compressor decompresses from the whole stored tensors
+    (the reference where transformers cannot load the folder), saved to `out` and loaded by transformers."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    quantization = raw.pop("quantization_config")
+    parsed = QuantizationConfig.model_validate({k: v for k, v in quantization.items()
+                                                if k in QuantizationConfig.model_fields})
+    scheme = next(iter(parsed.config_groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(scheme.format or parsed.format)
+    tensors, dense = load_file(Path(folder) / "model.safetensors"), {}
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        prefix = name.removesuffix("weight_scale")
+        module = {k.removeprefix(prefix): tensors.pop(k) for k in list(tensors) if k.startswith(prefix + "weight_")}
+        module.update({"weight": tensors.pop(prefix + "weight")} if prefix + "weight" in tensors else {})
+        dense[prefix + "weight"] = compressor.decompress(module, scheme)["weight"].float()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_file({**tensors, **dense}, Path(out) / "model.safetensors", metadata={"format": "pt"})
+    (Path(out) / "config.json").write_text(json.dumps(raw))
+    if (Path(folder) / "generation_config.json").exists():
+        shutil.copy(Path(folder) / "generation_config.json", Path(out) / "generation_config.json")
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def load_compressed(folder: str, reference: str | None = None) -> dict:
     """tpmap.from_pretrained of the compressed-tensors folder on this rank against tpmap.apply on transformers'
     own decompressed weights: every tensor bit for bit; the logits (rank 0); the bytes this rank read (every run
-    on its own: GAP_BYTES 0)."""
+    on its own: GAP_BYTES 0). With `reference` (folders to write: one per rank): against compressed-tensors' own
+    decompression of the whole tensors instead (for folders transformers cannot load)."""
     saved = slice_io.GAP_BYTES
     slice_io.GAP_BYTES = 0
     try:
@@ -41,7 +73,10 @@ def load_compressed(folder: str) -> dict:
             got = tpmap.from_pretrained(folder, dtype=torch.float32)
     finally:
         slice_io.GAP_BYTES = saved
-    plain, _ = transformers_dequantized(folder)
+    if reference:
+        plain = library_dequantized(folder, f"{reference}-{dist.get_rank()}")
+    else:
+        plain = transformers_dequantized(folder)[0]
     want = tpmap.apply(plain, dist.get_world_size())
     with torch.no_grad():
         logits = got(input_ids(got.config.vocab_size)).logits

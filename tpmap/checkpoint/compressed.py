@@ -5,13 +5,15 @@ The layout (``quantization_config: {quant_method: compressed-tensors, format, co
 Linear ``X`` stores its weight as ``X.weight`` (int-quantized: int8; float-quantized: float8) or ``X.weight_packed``
 (pack-quantized: int4 and other widths packed densely into int32 along the input features, ``bits`` words per 32
 elements, with the logical shape in ``X.weight_shape``), its scales as ``X.weight_scale`` (``[out, 1]`` per
-channel, ``[out, in / group_size]`` per group) and, for asymmetric schemes, ``X.weight_zero_point`` alike.
+channel, ``[out, in / group_size]`` per group) and, for asymmetric schemes, ``X.weight_zero_point`` alike
+(pack-quantized: packed along its rows, ``[ceil(out * bits / 32), groups]`` int32).
 
 `CompressedWeights.take` pairs every quantized weight with its tensors when the folder is opened (every rank
 alike, before any collective; a quantized weight without its scale is an error naming it) and puts a stand-in
 ``X.weight`` of the logical shape into the checkpoint's names, so that name matching and shape checks see the
-model's weights. `read` then reads one rank's rows (a Column's slice: rows of the data, scales, zero points) or
-columns (a Row's: the packed words and the scale groups its features fall in) and decompresses that slice with
+model's weights. `read` then reads one rank's rows (a Column's slice: rows of the data, scales, zero points; a
+packed zero point is unpacked whole, its rows picked and packed again) or columns (a Row's: the packed words and
+the scale and zero-point groups its features fall in) and decompresses that slice with
 compressed-tensors' own compressor (`BaseCompressor.decompress`, what transformers' loader runs), then casts to
 the model's dtype as transformers does. A shard boundary inside a group (or inside a packed word) cannot be cut
 this way: `refuse_cut_groups` refuses it at plan time, listing the world sizes that work.
@@ -99,13 +101,11 @@ class CompressedWeights:
         weight = self.weights.get(stored.name)
         return weight.parts["weight_scale"] if weight is not None else None
 
-    def groups(self) -> dict[str, int]:
-        """Weight name -> the input features that must stay on one rank together (a group; a packed word)."""
+    def group(self) -> int:
+        """How many input features must stay on one rank together (a group; the features of a packed word)."""
         bits, args = self.scheme.weights.num_bits, self.scheme.weights
         unit = 32 // math.gcd(32, bits) if self.format == "pack-quantized" else 1
-        group = args.group_size if _value(args.strategy) == "group" else 1
-        block = math.lcm(unit, group or 1)
-        return dict.fromkeys(self.weights, block) if block > 1 else {}
+        return math.lcm(unit, (args.group_size if _value(args.strategy) == "group" else 1) or 1)
 
     def read(self, stored: StoredTensor, shard: ParamShard | None, rank: int, dtype: torch.dtype,
              device: torch.device, scratch: Scratch) -> torch.Tensor:
@@ -138,17 +138,25 @@ class CompressedWeights:
             data_runs = tuple((s // per_word * words, n // per_word * words) for s, n in runs)
         local = {"weight_packed" if packed else "weight": _read(weight.data, dim, data_runs, scratch)}
         for part, t in weight.parts.items():
-            if part == "weight_zero_point" and packed:
-                raise QuantizedCheckpointError(
-                    f"{weight.data.where()}: asymmetric pack-quantized weights (packed zero points) are not read by "
-                    "tpmap.from_pretrained yet; load it with transformers and shard that model with tpmap.apply")
-            if dim == 1:  # the scale columns (groups) the features fall in; one column (per channel): whole
+            if part == "weight_zero_point" and packed and dim == 0:  # packed along the rows: unpack, pick, repack
+                local[part] = self._packed_rows(t, weight.shape[0], runs)
+            elif dim == 1:  # the scale columns (groups) the features fall in; one column (per channel): whole
                 group = weight.shape[1] // t.shape[1]
                 cols = sorted({i // group for s, n in runs for i in range(s, s + n)}) if t.shape[1] > 1 else [0]
                 local[part] = _read(t, 1, _ranges(cols), scratch)
             else:
                 local[part] = _read(t, 0, runs, scratch)
         return local
+
+    def _packed_rows(self, t: StoredTensor, rows: int, runs) -> torch.Tensor:
+        """The rows `runs` of a zero point packed along its rows ([ceil(out * bits / 32), groups] int32), packed
+        again as compressed-tensors packs it (its own helpers; the whole zero point is small: one per group)."""
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+        bits = self.scheme.weights.num_bits
+        whole = unpack_from_int32(read_whole(t.read_into, t.shape, t.dtype), bits, (rows, t.shape[1]), packed_dim=0)
+        held = torch.tensor([i for s, n in runs for i in range(s, s + n)])
+        return pack_to_int32(whole.index_select(0, held), bits, packed_dim=0)
 
     def _decompress(self, local: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """compressed-tensors' own decompression of one (sliced) module state dict (transformers' load op)."""
@@ -162,14 +170,18 @@ class CompressedWeights:
         return weight
 
 
-def refuse_cut_groups(compressed: CompressedWeights, plan: Plan, plan_at) -> None:
-    """A Row's input features split inside a group (or a packed word) cannot be dequantized on its own: refused
-    before anything is read, with the world sizes whose boundaries fall between groups."""
-    groups = compressed.groups()
+def refuse_cut_groups(compressed: CompressedWeights, sources: dict, plan: Plan, plan_at) -> None:
+    """A weight's input features (its last dim: a Row's, or stacked experts' down projections converted from
+    quantized per-expert weights) split inside a group or a packed word cannot be dequantized slice by slice: refused
+    before anything is read, with the world sizes whose boundaries fall between groups. `sources`: model tensor
+    name -> its checkpoint source (`conversion.match_checkpoint_names`)."""
+    group = compressed.group()
+    quantized = [n for n, source in sources.items() if any(t.name in compressed.weights for _, t in source.stored)]
 
     def cut(p: Plan) -> list[tuple[str, int, int]]:
-        return [(n, g, b) for n, g in groups.items() if n in p.params and p.params[n].dim == 1
-                and (b := quant_blocks.cut_inside(p.params[n], g)) is not None]
+        return [(n, group, b) for n in quantized if n in p.params and p.params[n].dim is not None
+                and p.params[n].dim == len(p.params[n].full_shape) - 1
+                and (b := quant_blocks.cut_inside(p.params[n], group)) is not None]
 
     bad = cut(plan)
     if bad:

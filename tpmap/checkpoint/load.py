@@ -117,7 +117,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
     if isinstance(fp8, compressed.CompressedWeights):
-        compressed.refuse_cut_groups(fp8, plan, lambda ws: _plan_or_none(model, loaded, ws))
+        compressed.refuse_cut_groups(fp8, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
     on_load = None
     if torchao_config is not None:
         if fp8 is not None:
