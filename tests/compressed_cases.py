@@ -14,17 +14,17 @@ def input_ids(vocab_size: int) -> torch.Tensor:
     return (torch.arange(24).reshape(2, 12) * 7 + 3) % vocab_size
 
 
-def transformers_dequantized(folder: str) -> tuple[torch.nn.Module, torch.Tensor]:
+def transformers_dequantized(folder: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
     """(a plain model holding the weights transformers' own load of the folder decompresses, transformers' logits):
     transformers decompresses the weights on the first forward (which also fake-quantizes activations, if the
     scheme quantizes them); its decompressed weights, in a model built without the quantization_config."""
-    quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     with torch.no_grad():
         logits = quantized(input_ids(quantized.config.vocab_size)).logits
     state = {k: v for k, v in quantized.state_dict().items() if not k.rpartition(".")[2].startswith("weight_")}
     config = AutoConfig.from_pretrained(folder)
     del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = plain.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m or "inv_freq" in m for m in missing), (missing, unexpected)
     return plain.eval(), logits
@@ -61,7 +61,7 @@ def library_dequantized(folder: str, out: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
-def load_compressed(folder: str, reference: str | None = None) -> dict:
+def load_compressed(folder: str, reference: str | None = None, dtype: str = "float32") -> dict:
     """tpmap.from_pretrained of the compressed-tensors folder on this rank against tpmap.apply on transformers'
     own decompressed weights: every tensor bit for bit; the logits (rank 0); the bytes this rank read (every run
     on its own: GAP_BYTES 0). With `reference` (folders to write: one per rank): against compressed-tensors' own
@@ -70,13 +70,13 @@ def load_compressed(folder: str, reference: str | None = None) -> dict:
     slice_io.GAP_BYTES = 0
     try:
         with _CountReads() as reads:
-            got = tpmap.from_pretrained(folder, dtype=torch.float32)
+            got = tpmap.from_pretrained(folder, dtype=getattr(torch, dtype))
     finally:
         slice_io.GAP_BYTES = saved
     if reference:
         plain = library_dequantized(folder, f"{reference}-{dist.get_rank()}")
     else:
-        plain = transformers_dequantized(folder)[0]
+        plain = transformers_dequantized(folder, getattr(torch, dtype))[0]
     want = tpmap.apply(plain, dist.get_world_size())
     with torch.no_grad():
         logits = got(input_ids(got.config.vocab_size)).logits

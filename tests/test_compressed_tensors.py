@@ -25,7 +25,8 @@ FORMATS = {"W8A8": "int-quantized", "FP8_DYNAMIC": "float-quantized", "W4A16": "
            "W4A16_ASYM": "pack-quantized"}
 
 
-def compress(folder: Path, preset: str, linears: set[str], group_size: int | None = None) -> None:
+def compress(folder: Path, preset: str, linears: set[str], group_size: int | None = None,
+             scale_dtype: torch.dtype = torch.float32) -> None:
     """Turn the plain checkpoint in `folder` into compressed-tensors' layout for `preset`, in place: the weights of
     the nn.Linear modules `linears` (what the scheme's target "Linear" matches) and the experts' per-expert
     weights (nn.Linear modules in the layout llm-compressor quantizes), lm_head left out as llm-compressor does."""
@@ -51,6 +52,7 @@ def compress(folder: Path, preset: str, linears: set[str], group_size: int | Non
         else:
             low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)  # [out, 1]
         scale, zero_point = calculate_qparams(low, high, scheme.weights)
+        scale = scale.to(scale_dtype)  # llm-compressor's: the model's dtype
         module = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
         out.update({name.removesuffix("weight") + k: v for k, v in module.items()})
     save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
@@ -79,7 +81,8 @@ FAMILIES = {
 }
 
 
-def save(folder: Path, family: str, preset: str, group_size: int | None = None) -> Path:
+def save(folder: Path, family: str, preset: str, group_size: int | None = None,
+         scale_dtype: torch.dtype = torch.float32) -> Path:
     model_type, config = FAMILIES[family]
     config = AutoConfig.for_model(model_type, **{"num_hidden_layers": 1, "max_position_embeddings": 64, **config})
     torch.manual_seed(0)
@@ -90,7 +93,7 @@ def save(folder: Path, family: str, preset: str, group_size: int | None = None) 
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    compress(folder, preset, linears, group_size)
+    compress(folder, preset, linears, group_size, scale_dtype)
     return folder
 
 
@@ -139,6 +142,21 @@ def test_compressed_tensors_checkpoint_loads_dequantized(ranks, tmp_path, preset
     # each rank read about its share of the file, not all of it
     file_bytes = (folder / "model.safetensors").stat().st_size
     assert max(r["read"] for r in results) < (0.7 if world_size == 2 else 0.5) * file_bytes
+
+
+@pytest.mark.parametrize(("family", "preset", "scales", "dtype"), [
+    ("llama", "W8A8", "float32", "bfloat16"),
+    ("llama", "W4A16", "bfloat16", "float32"),
+    pytest.param("mixtral", "W4A16", "float32", "bfloat16", marks=pytest.mark.full),
+    pytest.param("mixtral", "FP8_DYNAMIC", "bfloat16", "float32", marks=pytest.mark.full),
+])
+def test_scales_and_weights_in_transformers_dtypes(ranks, tmp_path, family, preset, scales, dtype):
+    """Stored scales in one dtype, the model loaded in another: bit for bit transformers' decompressed weights. It
+    loads a quantized Linear's scales into the module's parameters (the model's dtype) before decompressing, and
+    decompresses converted experts in the stored dtypes, then casts: the first rounds a float32 scale to bfloat16."""
+    folder = save(tmp_path / preset, family, preset, PRESETS[preset][0], getattr(torch, scales))
+    results = ranks(2).run(compressed_cases.load_compressed, str(folder), None, dtype)
+    assert [r["differ"] for r in results] == [[], []]
 
 
 @pytest.mark.parametrize(("family", "config", "name", "boundary"), [

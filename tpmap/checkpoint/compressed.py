@@ -14,9 +14,12 @@ alike, before any collective; a quantized weight without its scale is an error n
 model's weights. `read` then reads one rank's rows (a Column's slice: rows of the data, scales, zero points; a
 packed zero point is unpacked whole, its rows picked and packed again) or columns (a Row's: the packed words and
 the scale and zero-point groups its features fall in) and decompresses that slice with
-compressed-tensors' own compressor (`BaseCompressor.decompress`, what transformers' loader runs), then casts to
-the model's dtype as transformers does. A shard boundary inside a group (or inside a packed word) cannot be cut
-this way: `refuse_cut_groups` refuses it at plan time, listing the world sizes that work.
+compressed-tensors' own compressor (`BaseCompressor.decompress`, what transformers runs), in transformers' dtypes:
+a quantized Linear's scales cast to the model's dtype first (transformers loads them into the module's
+parameters), converted experts' in their stored dtype (float8 ones in float32), the result then cast to the model's
+dtype. A shard boundary
+inside a group (or inside a packed word) cannot be cut this way: `refuse_cut_groups` refuses it at plan time,
+listing the world sizes that work.
 
 The activations are not quantized: a W8A8 / FP8-dynamic model computes in the model's dtype with the
 dequantized weights (transformers' CPU path also fake-quantizes each Linear's input per token; docs/quantization.md
@@ -41,7 +44,8 @@ from tpmap.spec.errors import CheckpointError, DivisibilityError, QuantizedCheck
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized", "naive-quantized")
 PARTS = ("weight_scale", "weight_zero_point", "weight_shape")  # stored beside the data, by local name
-QUANTIZED_DTYPES = (torch.int8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_DTYPES = (torch.int8, torch.int32, *FLOAT8)
 
 
 def _field(quantization, key: str, default=None):
@@ -67,6 +71,10 @@ class CompressedWeights:
     scheme: object  # compressed_tensors' QuantizationScheme
     format: str
     weights: dict[str, _Weight]
+    # the weights that are model tensors as stored (no conversion): transformers loads their scales into the
+    # quantized module's parameters, in the model's dtype, and decompresses there; converted ones (experts fused
+    # by its conversion mapping) it decompresses in the stored dtypes, then casts. `read` does each alike.
+    in_model_dtype: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
     def take(cls, checkpoint: Checkpoint, folder: Path, config) -> CompressedWeights:
@@ -126,6 +134,11 @@ class CompressedWeights:
             assert held == shard.local_shape(rank)[shard.dim], f"{stored.name}: a padded quantized weight"
             local = self._slice(weight, shard.dim, runs, scratch)
             shape = (held, inp) if shard.dim == 0 else (out, held)
+        # transformers' arithmetic: a Linear's scales in the model's dtype; converted float8 experts in float32
+        # (its CompressedTensorsDequantize multiplies them itself); other converted weights in the stored dtypes
+        cast = dtype if stored.name in self.in_model_dtype else torch.float32 if weight.data.dtype in FLOAT8 else None
+        if cast is not None:
+            local = {k: v.to(cast) if v.is_floating_point() and k != "weight" else v for k, v in local.items()}
         return self._decompress(local, shape).to(dtype=dtype, device=device)
 
     def _slice(self, weight: _Weight, dim: int, runs, scratch: Scratch) -> dict[str, torch.Tensor]:

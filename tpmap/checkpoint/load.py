@@ -108,6 +108,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
+    if isinstance(fp8, compressed.CompressedWeights):
+        fp8.in_model_dtype = {s.stored[0][1].name for s in sources.values() if s.converter is None}
     dtype_of = _dtypes(model, dtype)
 
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
