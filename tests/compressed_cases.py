@@ -1,6 +1,9 @@
 """Rank-side cases for tests/test_compressed_tensors.py (importable by name in the rank processes)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from checkpoint_cases import _CountReads, _differences, _tensors
@@ -8,6 +11,48 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import tpmap
 from tpmap.engine import slice_io
+
+FORMATS = {"W8A8": "int-quantized", "FP8_DYNAMIC": "float-quantized", "W4A16": "pack-quantized",
+           "W4A16_ASYM": "pack-quantized"}
+
+
+def compress(folder: Path, preset: str, linears: set[str], group_size: int | None = None,
+             scale_dtype: torch.dtype = torch.float32) -> None:
+    """Turn the plain checkpoint in `folder` into compressed-tensors' layout for `preset`, in place: the weights of
+    the nn.Linear modules `linears` (what the scheme's target "Linear" matches) and the experts' per-expert
+    weights (nn.Linear modules in the layout llm-compressor quantizes), lm_head left out as llm-compressor does."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        scheme.weights.group_size = group_size
+    fmt = FORMATS[preset]
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    tensors, out = load_file(folder / "model.safetensors"), {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and t.dim() == 2 and (module in linears or ".experts." in name)):
+            out[name] = t
+            continue
+        w = t.float()  # [out, in]
+        if scheme.weights.strategy == "group":
+            grouped = w.reshape(w.shape[0], -1, scheme.weights.group_size)  # [out, in / g, g]
+            low, high = grouped.amin(-1), grouped.amax(-1)  # [out, in / g]
+        else:
+            low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)  # [out, 1]
+        scale, zero_point = calculate_qparams(low, high, scheme.weights)
+        scale = scale.to(scale_dtype)  # llm-compressor's: the model's dtype
+        module = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
+        out.update({name.removesuffix("weight") + k: v for k, v in module.items()})
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                                quantization_status="compressed")
+    raw["quantization_config"] = {**json.loads(config.model_dump_json()), "quant_method": "compressed-tensors"}
+    (folder / "config.json").write_text(json.dumps(raw, indent=1))
 
 
 def input_ids(vocab_size: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from tpmap.engine.slice_io import Scratch, read_local, read_whole
 from tpmap.spec.errors import CheckpointError, DivisibilityError, QuantizedCheckpointError
 
 METHOD = "compressed-tensors"
-FORMATS = ("int-quantized", "float-quantized", "pack-quantized", "naive-quantized")
+FORMATS = ("int-quantized", "float-quantized", "pack-quantized")  # the ones tested
 PARTS = ("weight_scale", "weight_zero_point", "weight_shape")  # stored beside the data, by local name
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_DTYPES = (torch.int8, torch.int32, *FLOAT8)

@@ -73,7 +73,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     * ``quantization_config``: a ``transformers.TorchAoConfig``: each rank quantizes its slices after reading
       them, with the scales the whole weight would get (`tpmap.checkpoint.quantize`); the result equals
       transformers' own load with the same config, sliced. (A checkpoint that is stored quantized says so in its
-      config.json: FP8 block-scaled weights are dequantized, any other method is refused.)
+      config.json: FP8 block-scaled and compressed-tensors weights are dequantized, any other method is refused.)
     * ``hf_kwargs``: what transformers' `from_pretrained` takes for a local folder: config overrides,
       ``attn_implementation``, ``experts_implementation``, ``key_mapping``, ``variant``, ``subfolder``,
       ``generation_config``, ``trust_remote_code``, ``output_loading_info`` (then returns
