@@ -11,6 +11,8 @@ those logits differ by that simulation, measured and bounded below; W4A16 (weigh
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import compressed_cases
@@ -18,6 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+
+import tpmap
+from tpmap.checkpoint.load import plan_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
@@ -139,6 +144,11 @@ def test_a_group_a_shard_boundary_would_cut_is_refused_with_the_world_sizes_that
         messages[0]
     assert f"at world size 2 a shard boundary falls at {boundary}" in messages[0]
     assert "World sizes that work: 1" in messages[0]
+    # the same verdict from the folder alone, before any rank starts (tpmap.parallelize's driver asks it)
+    with pytest.raises(tpmap.DivisibilityError) as e:
+        plan_checkpoint(folder, 2)
+    assert f"DivisibilityError: {e.value}" == messages[0]
+    assert plan_checkpoint(folder, 1).tp_size == 1
 
 
 @pytest.mark.parametrize(("preset", "data"), [("W8A8", "weight"), ("W4A16", "weight_packed")])
@@ -154,8 +164,6 @@ def test_a_quantized_tensor_without_its_scale_is_an_error_on_every_rank(ranks, t
 
 
 def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_path):
-    import tpmap
-
     folder = save(tmp_path / "w4a16", "llama", "W4A16", 32)
     raw = json.loads((folder / "config.json").read_text())
     raw["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
@@ -163,3 +171,8 @@ def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(tpmap.QuantizedCheckpointError, match="quant_method 'compressed-tensors' with weight strategy"):
         tpmap.from_pretrained(folder)
+
+
+def test_import_tpmap_does_not_import_compressed_tensors():
+    code = "import sys, tpmap, tpmap.checkpoint.load; print('compressed_tensors' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -179,16 +179,27 @@ def _plan_or_none(model, loaded, ws: int):
 def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
     """The plan `from_pretrained` would execute at `world_size`, from the folder's config alone: the model is
     built on the meta device, no weight is read and no process group is needed. Raises the planner's error
-    (a world size the mapping cannot serve, a model type without a mapping) where a caller can still stop
-    before starting any rank (`tpmap.parallelize` does, in its driver)."""
+    (a world size the mapping cannot serve, a model type without a mapping, a compressed-tensors group that a
+    shard boundary would cut) where a caller can still stop before starting any rank (`tpmap.parallelize` does, in
+    its driver). (A compressed-tensors folder's tiny ``weight_shape`` tensors are read.)"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
     request = _Request.of(path, dtype, hf_kwargs)
     checkpoint = Checkpoint.open(request.folder, request.variant)
     try:
         model, _ = _meta_model(request, checkpoint, model_class)
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
+        weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
+                   if compressed.is_compressed(model.config) else None)
+        loaded = api.load_mapping(model, mapping)
+        plan = planner.build_plan(model, loaded, world_size)
+        if weights is not None:
+            conversions = get_model_conversion_mapping(model, request.key_mapping, None)
+            sources, _ = conversion.match_checkpoint_names(model, checkpoint, conversions)
+            compressed.refuse_cut_groups(weights, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
     finally:
         checkpoint.close()
-    return planner.build_plan(model, api.load_mapping(model, mapping), world_size)
+    return plan
 
 
 @dataclass(frozen=True, kw_only=True)
