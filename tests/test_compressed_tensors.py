@@ -163,16 +163,36 @@ def test_a_quantized_tensor_without_its_scale_is_an_error_on_every_rank(ranks, t
     assert "no model.layers.0.mlp.up_proj.weight_scale" in messages[0]
 
 
-def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_path):
+def _strategy_tensor(q):
+    q["config_groups"]["group_0"]["weights"].update(strategy="tensor", group_size=None)
+
+
+def _two_groups(q):
+    q["config_groups"]["group_1"] = {**q["config_groups"]["group_0"], "targets": ["re:.*experts.*"]}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_strategy_tensor, "with weight strategy"),
+    (_two_groups, "with 2 config_groups (mixed schemes are not read yet)"),
+    (lambda q: q.update(format="nvfp4-pack-quantized"), "with format 'nvfp4-pack-quantized'"),
+    (lambda q: q.update(quantization_status="frozen"), "with quantization_status"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "with a kv_cache_scheme"),
+    (lambda q: q.update(transform_config={"config_groups": {"u": {}}}), "with a transform_config"),
+    (lambda q: q.pop("config_groups"), "that compressed-tensors does not accept"),
+])
+def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_path, edit, message):
     folder = save(tmp_path / "w4a16", "llama", "W4A16", 32)
     raw = json.loads((folder / "config.json").read_text())
-    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
-    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = None
+    edit(raw["quantization_config"])
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(tpmap.QuantizedCheckpointError, match="quant_method 'compressed-tensors' with weight strategy"):
+    with pytest.raises(tpmap.QuantizedCheckpointError) as e:
         tpmap.from_pretrained(folder)
+    assert "config.json declares quant_method 'compressed-tensors'" in str(e.value)
+    assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.full  # (a fresh interpreter importing tpmap and transformers: seconds)
 def test_import_tpmap_does_not_import_compressed_tensors():
     code = "import sys, tpmap, tpmap.checkpoint.load; print('compressed_tensors' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -236,6 +236,12 @@ def _scheme(folder: Path, config):
         why = f"quantization_status {parsed.quantization_status!r} (read: compressed)"
     elif groups[0].input_activations is not None and not groups[0].input_activations.dynamic:
         why = "static input activation scales (input_scale tensors)"
+    elif groups[0].output_activations is not None:
+        why = "quantized output activations"
+    elif parsed.kv_cache_scheme is not None:
+        why = "a kv_cache_scheme (a quantized KV cache: k_scale / v_scale tensors)"
+    elif any(raw.get(key) for key in ("sparsity_config", "transform_config")):
+        why = "a " + " and a ".join(k for k in ("sparsity_config", "transform_config") if raw.get(k))
     if why is not None:
         raise QuantizedCheckpointError(
             f"{where} declares quant_method 'compressed-tensors' with {why}; tpmap.from_pretrained reads one config "
