@@ -31,6 +31,10 @@ FAMILIES = {
     # GQA: 2 KV heads, replicated at world size 4
     "llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
                             vocab_size=128)),
+    # fused Columns: qkv_proj [q | k | v] in GQA sections and gate_up_proj [gate | up], each section split on its own
+    # (a rank's rows of the data and scales in several pieces)
+    "phi3": ("phi3", dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4,
+                          vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # experts stored one Linear each, fused into 3-D experts by transformers' conversion (dequantized first)
     "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                 num_local_experts=4, num_experts_per_tok=2, vocab_size=128)),
