@@ -200,3 +200,13 @@ def test_a_compressed_tensors_scheme_tpmap_does_not_read_is_refused_by_name(tmp_
 def test_import_tpmap_does_not_import_compressed_tensors():
     code = "import sys, tpmap, tpmap.checkpoint.load; print('compressed_tensors' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_a_quantized_tensor_stored_3d_is_refused_by_name(tmp_path):
+    folder = save(tmp_path / "w8a8", "llama", "W8A8")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.weight"] = torch.zeros(2, 32, 16, dtype=torch.int8)
+    tensors["model.layers.0.mlp.experts.weight_scale"] = torch.ones(2, 32, 1)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(tpmap.QuantizedCheckpointError, match=r"model\.layers\.0\.mlp\.experts\.weight is a 3-D"):
+        tpmap.from_pretrained(folder)

@@ -96,6 +96,11 @@ class CompressedWeights:
                 raise QuantizedCheckpointError(
                     f"{data.where()} has {prefix}weight_g_idx (activation ordering): tpmap.from_pretrained does not "
                     "read reordered groups yet. Load it with transformers and shard that model with tpmap.apply")
+            if len(data.shape) != 2:
+                raise QuantizedCheckpointError(
+                    f"{data.where()} is a {len(data.shape)}-D quantized tensor {list(data.shape)}; "
+                    "tpmap.from_pretrained decompresses 2-D weights only (experts stored fused are not read). Load "
+                    "it with transformers and shard that model with tpmap.apply")
             parts = {p: tensors.pop(prefix + p) for p in PARTS if prefix + p in tensors}
             del tensors[name]
             shape = _logical_shape(data, parts.pop("weight_shape", None))
