@@ -1,6 +1,9 @@
-"""Per-rank bytes of a torchao-quantized model sharded by tpmap.apply, counted from the tensors each rank holds.
+"""Per-rank bytes of a torchao-quantized model sharded by tpmap.apply, counted from the tensors each rank holds;
+or (--checkpoint) the bytes each rank reads from a compressed-tensors checkpoint folder and holds after
+tpmap.from_pretrained dequantizes its slices.
 
     torchrun --nproc-per-node N benchmarks/quantized_memory.py [--scheme int8|float8] [--md OUT]
+    torchrun --nproc-per-node N benchmarks/quantized_memory.py --checkpoint W4A16|W8A8|FP8_DYNAMIC [--md OUT]
 
 A Llama-shaped 160M (benchmarks/latency.py's), every nn.Linear but the LM head quantized by torchao
 (`quantize_`, int8 or float8 weight-only), then sharded over the N ranks. Rank 0 prints, exactly: the bytes of the
@@ -14,7 +17,9 @@ import argparse
 import copy
 import datetime
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +45,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scheme", choices=["int8", "float8"], default="int8")
     parser.add_argument("--md", default=None, help="append the table row(s) to this file")
+    parser.add_argument("--checkpoint", default=None, help="a compressed-tensors preset: W4A16, W8A8, FP8_DYNAMIC")
     args = parser.parse_args()
+    if args.checkpoint:
+        compressed_checkpoint(args.checkpoint, args.md)
+        return
 
     import torchao.quantization as q
     import transformers
@@ -74,6 +83,67 @@ def main() -> None:
         if args.md:
             with open(args.md, "a") as f:
                 f.write(row + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def compressed_checkpoint(preset: str, md: str | None) -> None:
+    """The 160M saved in fp32 and compressed as llm-compressor writes `preset` (tests/compressed_cases.compress:
+    compressed-tensors' own compressor, every nn.Linear but the LM head, W4A16 in groups of 128); each rank's
+    bytes read from the folder (counted at the file reads) and its parameter bytes after tpmap.from_pretrained."""
+    import tempfile
+
+    import transformers
+
+    import tpmap
+    from tpmap.checkpoint.safetensors import SafetensorsFile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from compressed_cases import compress
+
+    dist.init_process_group("gloo")
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    folder = [tempfile.mkdtemp(prefix="tpmap-ct-") if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    folder = folder[0]
+    if rank == 0:
+        model_type, class_name, overrides = MODELS["llama"]
+        torch.manual_seed(0)
+        model = getattr(transformers, class_name)(transformers.AutoConfig.for_model(model_type, **overrides))
+        model.save_pretrained(folder)
+        linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+        compress(Path(folder), preset, linears, 128 if preset.startswith("W4") else None)
+    dist.barrier()
+    read, original = [0], SafetensorsFile.read_into
+
+    def counting(file, buffer, offset):
+        read[0] += len(buffer)
+        return original(file, buffer, offset)
+
+    SafetensorsFile.read_into = counting
+    try:
+        model = tpmap.from_pretrained(folder, dtype=torch.bfloat16)
+    finally:
+        SafetensorsFile.read_into = original
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    mine = torch.tensor([read[0], held], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(ws)]
+    dist.all_gather(everyone, mine)
+    rank_read, rank_held = (int(v) for v in torch.stack(everyone).max(0).values)
+    if rank == 0:
+        mib, stored = 2**20, sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        import compressed_tensors
+
+        row = (f"| {preset} (compressed-tensors checkpoint) | {ws} | {stored / mib:.1f} | {rank_read / mib:.1f} | "
+               f"{rank_read / stored:.3f} | {rank_held / mib:.1f} (bf16) |")
+        print(f"{datetime.date.today()}, torch {torch.__version__}, "
+              f"compressed-tensors {compressed_tensors.__version__}")
+        print("| checkpoint | ws | file MiB | read MiB, largest rank | ratio | held MiB, largest rank |")
+        print(row, flush=True)
+        if md:
+            with open(md, "a") as f:
+                f.write(row + "\n")
+        shutil.rmtree(folder)
     dist.barrier()
     dist.destroy_process_group()
 

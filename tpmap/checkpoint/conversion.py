@@ -164,7 +164,9 @@ class Reader:
     def __init__(self, model, sources: dict[str, Source], dtype_of, device, progress=None, fp8=None):
         self.model, self.sources, self.dtype_of, self.device = model, sources, dtype_of, device
         self.progress = progress
-        self.fp8 = fp8  # a tpmap.checkpoint.fp8.Fp8Scales: the stored weights it has scales for are dequantized
+        # a tpmap.checkpoint.fp8.Fp8Scales or compressed.CompressedWeights: the stored weights it has scales for are
+        # dequantized by its read()
+        self.fp8 = fp8
         self.expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # full shapes, before sharding
         self.scratch = Scratch()  # blocks of rows; a tensor on its way to another dtype or device
         self._lazy: dict[tuple, _Lazy | None] = {}

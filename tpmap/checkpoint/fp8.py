@@ -46,21 +46,23 @@ def _field(quantization, key: str, default=None):
 
 
 def block_size(folder: Path, config) -> tuple[int, int] | None:
-    """None for a checkpoint without a quantization_config; (B0, B1) for FP8 block-scaled weights that
-    tpmap reads; a QuantizedCheckpointError naming what it is for every other quantization."""
+    """None for a checkpoint without a quantization_config (or a compressed-tensors one: `tpmap.checkpoint.compressed`);
+    (B0, B1) for FP8 block-scaled weights that tpmap reads; a QuantizedCheckpointError naming every other method."""
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
         return None
     where = folder / "config.json"
     method = _field(quantization, "quant_method")
+    if method == "compressed-tensors":
+        return None  # tpmap.checkpoint.compressed reads these
     if method != "fp8":
         raise QuantizedCheckpointError(
             f"{where} declares a quantization_config with quant_method {method!r}: its weights are stored quantized "
             "(with scales), and tpmap.from_pretrained reads only FP8 block-scaled checkpoints (quant_method 'fp8' "
-            "with weight_block_size), so loading them as plain tensors would compute wrong results. Load it with "
-            "transformers (which dequantizes or runs it quantized) and shard that model with tpmap.apply, or save it "
-            "unquantized (save_pretrained after loading it in a float dtype) and load that folder with "
-            "tpmap.from_pretrained")
+            "with weight_block_size) and compressed-tensors ones, so loading them as plain tensors would compute wrong "
+            "results. Load it with transformers (which dequantizes or runs it quantized) and shard that model with "
+            "tpmap.apply, or save it unquantized (save_pretrained after loading it in a float dtype) and load that "
+            "folder with tpmap.from_pretrained")
     block = _field(quantization, "weight_block_size")
     scheme = str(_field(quantization, "activation_scheme", "dynamic")).lower()
     scale_fmt = _field(quantization, "scale_fmt", "float") or "float"

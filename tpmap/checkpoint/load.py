@@ -6,8 +6,8 @@ the meta device under its init context, the conversion mapping, tying, initializ
 the loading report, the generation config); only the reading differs:
 
 1. open the folder (`tpmap.checkpoint.safetensors`): every file's header is checked, nothing read yet;
-2. refuse quantized checkpoints other than FP8 block-scaled ones, whose weights are paired with their scales and
-   dequantized as they are read (`tpmap.checkpoint.fp8`);
+2. refuse quantized checkpoints other than FP8 block-scaled and compressed-tensors ones, whose weights are paired
+   with their scales and dequantized as they are read (`tpmap.checkpoint.fp8`, `tpmap.checkpoint.compressed`);
    build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
    and check every shape; tie weights; build the plan (`engine.planner.build_plan`, every mapping check);
    up to here every bad input raises on every rank alike, before any collective;
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap import api
-from tpmap.checkpoint import conversion, quantize
+from tpmap.checkpoint import compressed, conversion, quantize
 from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
@@ -73,7 +73,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     * ``quantization_config``: a ``transformers.TorchAoConfig``: each rank quantizes its slices after reading
       them, with the scales the whole weight would get (`tpmap.checkpoint.quantize`); the result equals
       transformers' own load with the same config, sliced. (A checkpoint that is stored quantized says so in its
-      config.json: FP8 block-scaled weights are dequantized, any other method is refused.)
+      config.json: FP8 block-scaled and compressed-tensors weights are dequantized, any other method is refused.)
     * ``hf_kwargs``: what transformers' `from_pretrained` takes for a local folder: config overrides,
       ``attn_implementation``, ``experts_implementation``, ``key_mapping``, ``variant``, ``subfolder``,
       ``generation_config``, ``trust_remote_code``, ``output_loading_info`` (then returns
@@ -103,9 +103,13 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     model, dtype = _meta_model(request, checkpoint, model_class)
     block = block_size(folder, model.config)  # None: not quantized; every quantization but FP8 blocks is refused
     fp8 = Fp8Scales.take(checkpoint, block) if block is not None else None
+    if compressed.is_compressed(model.config):  # compressed-tensors: paired and checked like FP8's scales
+        fp8 = compressed.CompressedWeights.take(checkpoint, folder, model.config)
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
+    if isinstance(fp8, compressed.CompressedWeights):
+        fp8.in_model_dtype = {s.stored[0][1].name for s in sources.values() if s.converter is None}
     dtype_of = _dtypes(model, dtype)
 
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
@@ -114,10 +118,12 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
+    if isinstance(fp8, compressed.CompressedWeights):
+        compressed.refuse_cut_groups(fp8, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
     on_load = None
     if torchao_config is not None:
-        if block is not None:
-            raise UnsupportedConfigError(f"{folder} is stored quantized (FP8 blocks); quantization_config= quantizes "
+        if fp8 is not None:
+            raise UnsupportedConfigError(f"{folder} is stored quantized; quantization_config= quantizes "
                                          "an unquantized checkpoint on load: drop one of the two")
         on_load = quantize.OnLoadQuantization(torchao_config, model, plan, lambda ws: _plan_or_none(model, loaded, ws))
     missing = _missing(model, sources)
@@ -173,16 +179,27 @@ def _plan_or_none(model, loaded, ws: int):
 def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
     """The plan `from_pretrained` would execute at `world_size`, from the folder's config alone: the model is
     built on the meta device, no weight is read and no process group is needed. Raises the planner's error
-    (a world size the mapping cannot serve, a model type without a mapping) where a caller can still stop
-    before starting any rank (`tpmap.parallelize` does, in its driver)."""
+    (a world size the mapping cannot serve, a model type without a mapping, a compressed-tensors group that a
+    shard boundary would cut) where a caller can still stop before starting any rank (`tpmap.parallelize` does, in
+    its driver). (A compressed-tensors folder's tiny ``weight_shape`` tensors are read.)"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
     request = _Request.of(path, dtype, hf_kwargs)
     checkpoint = Checkpoint.open(request.folder, request.variant)
     try:
         model, _ = _meta_model(request, checkpoint, model_class)
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
+        weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
+                   if compressed.is_compressed(model.config) else None)
+        loaded = api.load_mapping(model, mapping)
+        plan = planner.build_plan(model, loaded, world_size)
+        if weights is not None:
+            conversions = get_model_conversion_mapping(model, request.key_mapping, None)
+            sources, _ = conversion.match_checkpoint_names(model, checkpoint, conversions)
+            compressed.refuse_cut_groups(weights, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
     finally:
         checkpoint.close()
-    return planner.build_plan(model, api.load_mapping(model, mapping), world_size)
+    return plan
 
 
 @dataclass(frozen=True, kw_only=True)
