@@ -81,7 +81,7 @@ REFUSED = {
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
-         "minicpmv4_7",
+         "minicpmv4_7", "minicpm_ocr",
          "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_text", "olmo_hybrid", "qwen3_5",
          "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zaya"],
