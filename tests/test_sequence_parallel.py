@@ -131,6 +131,8 @@ REFUSED = {
     # OmniASR's Wav2Vec2-style feature encoder inside the composed model: a ModuleList stack of strided Conv1d
     # layers over the waveform (the tower alone, omniasr_audio, runs split: its stem is before the first block)
     "omniasr": "mixes neighbouring tokens",
+    # refused by its mapping: the offline forward runs the encoder per chunk on sequences of changing length
+    "nemotron3_diarization": "sequences of changing length",
     "moshi": "rotary cos/sin itself from the position_ids",  # computed inside the attention, from full-length ids
     # refused by its mapping: a [B, T, T] attention mask split as a per-token input, read with the whole query length
     "cpmant": "[B, T, T] attention mask",
