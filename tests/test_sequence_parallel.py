@@ -81,7 +81,7 @@ REFUSED = {
                     "matrix kept whole inside a block"),
     **dict.fromkeys(  # SSM and hybrid mixers: a causal convolution along the sequence
         ["bamba", "falcon_h1", "lara_mini", "lfm2", "lfm2_moe", "lfm2_vl", "lfm3", "lfm3_vl", "mamba2", "minicpmv4_6",
-         "minicpmv4_7",
+         "minicpmv4_7", "minicpm_ocr",
          "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_text", "olmo_hybrid", "qwen3_5",
          "qwen3_5_moe",
          "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "zaya"],
@@ -133,6 +133,8 @@ REFUSED = {
     # OmniASR's Wav2Vec2-style feature encoder inside the composed model: a ModuleList stack of strided Conv1d
     # layers over the waveform (the tower alone, omniasr_audio, runs split: its stem is before the first block)
     "omniasr": "mixes neighbouring tokens",
+    # refused by its mapping: the offline forward runs the encoder per chunk on sequences of changing length
+    "nemotron3_diarization": "sequences of changing length",
     "moshi": "rotary cos/sin itself from the position_ids",  # computed inside the attention, from full-length ids
     # refused by its mapping: a [B, T, T] attention mask split as a per-token input, read with the whole query length
     "cpmant": "[B, T, T] attention mask",
