@@ -37,6 +37,7 @@ from tpmap.spec.schema import (
     Reduce,
     Row,
     Update,
+    any_layer_selected,
     config_matches,
     entry_applies,
     layer_selected,
@@ -201,8 +202,14 @@ class Planner:
             config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
             if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
                 continue
-            self.applied.append(i)
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
+            try:
+                if entry.when_layer and not self.any_layer(entry, ctx, config):
+                    continue  # no layer of that kind in this config: not applied, as `when` (lint: when-never)
+            except TpmapError as e:
+                self.fail(e)
+                continue
+            self.applied.append(i)
             try:
                 matched = match_entry(entry, self.modules)
                 if not matched and entry.classes and match_modules(entry.module, self.names):
@@ -224,6 +231,12 @@ class Planner:
                         break  # the other modules of this entry would repeat the same problems
             except TpmapError as e:
                 self.fail(e)
+
+    def any_layer(self, entry, ctx: EntryContext, config) -> bool:
+        try:
+            return any_layer_selected(entry.when_layer, config, self.loaded.mapping.config_defaults)
+        except ConfigAttributeError as e:
+            raise ctx.error(ConfigAttributeError, str(e), "when_layer", rule="config-attribute") from None
 
     def select_layers(self, entry, ctx: EntryContext, matched: list[str], config) -> list[str]:
         """The matched modules of the layers `entry.when_layer` selects."""

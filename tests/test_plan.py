@@ -271,6 +271,28 @@ verify:
     assert "m.yaml:5:" in str(e.value)
 
 
+def test_an_entry_whose_when_layer_selects_no_layer_does_not_apply_even_where_its_modules_are_absent():
+    """A layer kind a config does not have (a Nemotron-H stack without MLP layers) has no modules to match: the
+    entry does not apply, as a false `when`; where the config has such a layer, a pattern matching nothing is the
+    usual error."""
+    from tpmap.spec import source
+    from tpmap.spec.errors import PatternMatchError
+
+    model = meta_model("gemma2")  # layer_types [sliding_attention, full_attention]
+    text = """model_type: gemma2
+entries:
+  - {kind: Column, module: layers.*.self_attn.k_proj, heads: num_key_value_heads}
+  - {kind: Column, module: layers.*.mlp.chunk_proj, when_layer: {layer_types: chunked_attention}}
+verify:
+  - {config: {}, models: [Gemma2ForCausalLM]}
+"""
+    plan = tpmap.plan(model, 2, mapping=source.load_text(text, "m.yaml"))
+    assert "model.layers.0.self_attn.k_proj.weight" in plan.params
+    selects = text.replace("layer_types: chunked_attention", "layer_types: sliding_attention")
+    with pytest.raises(PatternMatchError, match=r"m.yaml:4:.*pattern matches no module"):
+        tpmap.plan(model, 2, mapping=source.load_text(selects, "m.yaml"))
+
+
 @pytest.mark.skipif("dory" not in transformers.CONFIG_MAPPING, reason="dory needs transformers >= 5.24")
 def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
     """Dory's sub-norms (x / sqrt(sum(x^2) + eps), no weight) over split features: a norm shard with no tensor to

@@ -192,17 +192,31 @@ def layer_selected(when_layer: dict[str, Any], name: str, config, defaults: dict
     if i is None:
         raise ConfigAttributeError(f"{name} is in no stack of layers (no integer component in its name), so "
                                    "`when_layer` cannot read its layer's entry; use `when` or `classes` instead")
-    for key, want in when_layer.items():
+    lists = _per_layer_lists(when_layer, config, defaults)
+    for key, values in lists.items():
+        if i >= len(values):
+            raise ConfigAttributeError(f"when_layer.{key}: {name} is layer {i}, but the config's {key} lists "
+                                       f"{len(values)} layers")
+    return all(_value_matches(want, lists[key][i]) for key, want in when_layer.items())
+
+
+def any_layer_selected(when_layer: dict[str, Any], config, defaults: dict[str, Any] | None = None) -> bool:
+    """Whether any layer of the config is of the kind `when_layer` names. None is: the entry does not apply to
+    this config, as an entry whose `when` is false (a Nemotron-H stack without MLP layers has no MLP to split)."""
+    lists = _per_layer_lists(when_layer, config, defaults)
+    depth = min(len(values) for values in lists.values())
+    return any(all(_value_matches(want, lists[key][i]) for key, want in when_layer.items()) for i in range(depth))
+
+
+def _per_layer_lists(when_layer: dict[str, Any], config, defaults) -> dict[str, list]:
+    lists = {}
+    for key in when_layer:
         values = config_value(config, key, defaults)
         if not isinstance(values, (list, tuple)):
             raise ConfigAttributeError(f"when_layer.{key}: the config's {key} is {values!r}, not a list with one "
                                        f"entry per layer; valid keys are per-layer lists such as layer_types")
-        if i >= len(values):
-            raise ConfigAttributeError(f"when_layer.{key}: {name} is layer {i}, but the config's {key} lists "
-                                       f"{len(values)} layers")
-        if not _value_matches(want, values[i]):
-            return False
-    return True
+        lists[key] = list(values)
+    return lists
 
 
 class _Entry(_Strict):
