@@ -16,6 +16,7 @@ import tpmap.peft
 from tpmap import verify
 
 LORA = "lora_"
+SP_SEQ = 12  # tokens of a sequence-parallel case: 2, 3 and 4 divide it
 
 
 def _base_name(lora_name: str) -> tuple[str, str]:
@@ -45,9 +46,12 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
 
 
 def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
-              dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False) -> dict:
+              dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False,
+              sequence_parallel: bool = False) -> dict:
     """`int8_base`: the base's Linear layers (not the LM head) quantized by torchao (int8 weight-only) before
-    sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides."""
+    sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides. `sequence_parallel`:
+    applied with it, on SP_SEQ tokens (an encoder-decoder's decoder too), which every world size divides: the
+    report's "sp_split" lists, per stack, whether its last forward ran split."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
@@ -58,9 +62,16 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
                   filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")
-    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     loaded = verify.resolve(ref)
-    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
+    if sequence_parallel:
+        inputs = verify.example_inputs(full, loaded.mapping.verify[verify_index].inputs, seq=SP_SEQ, seed=5)
+        if "decoder_input_ids" in inputs:  # (seq // 2 + 1 by default)
+            inputs["decoder_input_ids"] = torch.randint(3, full.config.vocab_size, (2, SP_SEQ),
+                                                        generator=torch.Generator().manual_seed(6))
+    else:
+        inputs = verify.case_inputs(ref, verify_index, full)
+    inputs, has_labels = loss_kwargs(full, in_dtype(inputs, dtype))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded, sequence_parallel=sequence_parallel)
     plan = sharded.tpmap_plan
     splits = slicing_reference.splits(full, loaded, plan, ws)
     reverse = {m.name + ".weight": m.reverse for m in plan.modules}
@@ -99,6 +110,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
     logits_full, logits_sharded = forward(full_peft), forward(sharded_peft)
+    seq_state = getattr(sharded, "tpmap_sequence", None)
+    report["sp_split"] = None if seq_state is None else sorted(seq_state._active.values())
     report["logits_rel"] = ((logits_full - logits_sharded).abs().max() / logits_full.abs().max()).item()
     loss_of(full_peft, inputs, has_labels).backward()
     loss_of(sharded_peft, inputs, has_labels).backward()
@@ -170,7 +183,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         plain = PeftModel.from_pretrained(copy.deepcopy(pristine), folder)
         report["saved_rel"] = ((forward(plain) - want).abs().max() / want.abs().max()).item()
     # and loaded onto a fresh sharded model, each rank reading its slices
-    reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded), folder)
+    reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded,
+                                                      sequence_parallel=sequence_parallel), folder)
     report["loaded_rel"] = ((forward(reloaded) - want).abs().max() / want.abs().max()).item()
     if int8_base:  # (merging into a quantized weight re-quantizes it: PEFT needs the quantizer's config for that)
         report["merged_rel"], report["merged_left"] = 0.0, 0
@@ -325,12 +339,14 @@ def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
             "dp": dp_rank, "tp": tp_rank}
 
 
-def lora_dropout_case() -> dict:
+def lora_dropout_case(sequence_parallel: bool = False) -> dict:
     """LoRA dropout in training mode follows the RNG regions: the masks on a Column's replicated input (q, k, v:
     k and v run after q has opened the sharded region) are the same on every rank, the masks on a Row's split
-    input (o_proj) differ, and the replicated output is the same on every rank."""
+    input (o_proj) differ, and the replicated output is the same on every rank. With sequence parallelism the
+    Columns' input is the gathered sequence, replicated (the block's region is open: their masks come from the
+    default stream all the same), and the Row's is this rank's features of every token."""
     ws = dist.get_world_size()
-    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws)
+    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws, sequence_parallel=sequence_parallel)
     model = tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                                           lora_dropout=0.5, init_lora_weights=False))
     masks = {}

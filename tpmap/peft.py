@@ -22,8 +22,13 @@ a Column's LoRA input is replicated (the same mask on every rank, drawn before t
 this rank's slice (drawn in the sharded region). Merging (``merge_and_unload``) adds B_r A (Column) or B A_r
 (Row) to the local weight: PEFT's own merge, since the adapter tensors are shaped like the local weight.
 
-Not yet: vocabulary-parallel embeddings, expert Params (``target_parameters``), sequence
-parallelism, mixed-adapter batches, DoRA and other LoRA variants: each is refused with a message.
+Sequence parallelism: a Column's term reads the gathered sequence its product read (the LoRA path's input gradient
+joins the base's before the gather's reduce-scatter) and a Row's joins the partial sum before its reduce-scatter,
+so the collectives are the base layer's and dA / dB are all-reduced as above. PEFT's own LoRA layers on modules
+kept whole inside the blocks get the stack's gradient sum, as its norms do (`take_over_entry_hooks`).
+
+Not yet: expert Params (``target_parameters``), mixed-adapter batches, DoRA and other LoRA variants: each is
+refused with a message.
 """
 from __future__ import annotations
 
@@ -68,8 +73,6 @@ class ParallelLoraLinear(_LoraLinear):
         if getattr(layer, SHARD_ATTR, None) is None:
             raise ValueError(f"{type(layer).__name__} has no tpmap plan: call tpmap.peft.get_peft_model or "
                              "tpmap.peft.prepare(model) on the model tpmap sharded, not on a copy of one layer")
-        if layer.seq is not None:
-            raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
         if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
             raise NotImplementedError("tpmap.peft supports plain LoRA (use_dora=False, lora_bias=False)")
         super().__init__(base_layer, adapter_name, config, **kwargs)
@@ -218,8 +221,6 @@ def prepare(model: nn.Module) -> nn.Module:
     if plan is None:
         raise ValueError("tpmap.peft: the model is not sharded by tpmap (tpmap.apply or tpmap.from_pretrained "
                          "first; an unsharded model needs plain peft.get_peft_model)")
-    if getattr(base, SEQUENCE_ATTR, None) is not None:
-        raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
     seed = torch.randint(0, 2**62, (1,))  # one draw, shared: fresh adapters then need no collective per layer
     group = getattr(base, GROUP_ATTR, None)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -301,10 +302,16 @@ def take_over_entry_hooks(peft_model):
     Reduce; Input: a forward argument cut to this rank's heads) gets PEFT's plain LoRA layer, whose term is
     added outside the wrapped module, past its hooks: the wrapper takes tpmap's hooks over, so they see the
     output with the LoRA term (without it, MLA's kv_a_proj_with_mqa adapter's gradient is a partial sum).
+    With sequence parallelism such a layer inside a block sees only this rank's tokens (or, in a module run on
+    the gathered sequence, gets only their part of its output's gradient), as a norm does: its adapter tensors'
+    gradients are summed over the ranks like the norm's (`_sum_over_tokens`).
     Called by get_peft_model and from_pretrained; call it after an ``add_adapter`` that wraps new modules."""
-    for module in peft_model.modules():
+    seq = getattr(peft_model.get_base_model(), SEQUENCE_ATTR, None)
+    for name, module in peft_model.named_modules():
         if not isinstance(module, peft.tuners.lora.LoraLayer) or isinstance(module, ParallelLoraLinear):
             continue
+        if seq is not None:
+            _sum_over_tokens(module, name.removeprefix("base_model.model."), seq)
         base = module.get_base_layer()
         for hooks, flags, register_hook in ((base._forward_pre_hooks, base._forward_pre_hooks_with_kwargs,
                                              module.register_forward_pre_hook),
@@ -317,6 +324,22 @@ def take_over_entry_hooks(peft_model):
                 del hooks[key]
                 flags.pop(key, None)
     return peft_model
+
+
+def _sum_over_tokens(layer, name: str, seq) -> None:
+    """PEFT's own LoRA layer `name` (a module the mapping keeps whole) inside a sequence-parallel stack: each
+    adapter tensor's gradient summed over the ranks when its stack's backward ran split (SequenceState.summed,
+    the hook of the stack's norms). Once per tensor: a tensor already hooked is marked."""
+    stack = next((i for i, prefix in enumerate(seq.stack_prefixes) if name.startswith(prefix)), None)
+    if stack is None:  # outside the blocks (an embedding, a pooler): replicated, every rank sees every token
+        return
+    containers = (layer.lora_A, layer.lora_B, layer.lora_embedding_A, layer.lora_embedding_B)
+    for container in containers:
+        for value in container.values():
+            p = value.weight if isinstance(value, nn.Module) else value
+            if p.requires_grad and not p.__dict__.get("tpmap_summed_over_tokens"):
+                p.register_hook(functools.partial(seq.summed, stack))
+                p.__dict__["tpmap_summed_over_tokens"] = True
 
 
 def _adapter_tensors(peft_model):
