@@ -45,11 +45,34 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
     return local.T if reverse else local
 
 
+def _expert_slicer(full_peft, splits: dict):
+    """For each LoRA tensor of a PEFT ParamWrapper in the unsharded model (``target_parameters``: MoE experts
+    (E, out, in)), by its parameter name: the reference slice of this rank. PEFT's A is (r*E, in), B (out, r*E):
+    a tensor split along out (dim 1) has B's rows split the same way, one split along in (dim 2) A's columns."""
+    from peft.tuners.lora import ParamWrapper
+
+    cuts = {}
+    for module_name, module in full_peft.named_modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        owner = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
+        split = splits.get(f"{owner}.{module.parameter_name}")
+        for which, container in (("A", module.lora_A), ("B", module.lora_B)):
+            for adapter in container:
+                cut = None
+                if split is not None and split.dim is not None and (which == "B") == (split.dim == 1):
+                    def cut(full, ws, rank, split=split):  # (out, rE) as (1, out, rE); (rE, in) as (1, rE, in)
+                        return split.local(full.unsqueeze(0), ws, rank).squeeze(0)
+                cuts[f"{module_name}.lora_{which}.{adapter}.weight"] = cut
+    return cuts
+
+
 def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
               dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False,
-              sequence_parallel: bool = False) -> dict:
+              sequence_parallel: bool = False, target_parameters: list[str] | None = None) -> dict:
     """`int8_base`: the base's Linear layers (not the LM head) quantized by torchao (int8 weight-only) before
     sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides. `sequence_parallel`:
+    `target_parameters`: PEFT's LoRA on bare tensors too (MoE experts). `sequence_parallel`:
     applied with it, on SP_SEQ tokens (an encoder-decoder's decoder too), which every world size divides: the
     report's "sp_split" lists, per stack, whether its last forward ran split."""
     ws, rank = dist.get_world_size(), dist.get_rank()
@@ -78,28 +101,33 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
 
     def config():
         return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
-                          modules_to_save=modules_to_save)
+                          modules_to_save=modules_to_save, target_parameters=target_parameters)
 
     pristine = copy.deepcopy(full)  # (get_peft_model wraps `full` in place)
     torch.manual_seed(1)  # init_lora_weights=False: A and B random, so every term of the math is exercised
     full_peft = unsharded_peft_model(full, config())
     sharded_peft = tpmap.peft.get_peft_model(sharded, config())
     full_named = dict(full_peft.named_parameters())
-    report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0}
+    experts = _expert_slicer(full_peft, splits)
+
+    def reference(name, full_tensor):  # this rank's slice of a full-size adapter tensor (or its gradient)
+        if name in experts:
+            return full_tensor.detach() if experts[name] is None else experts[name](full_tensor, ws, rank)
+        base, which = _base_name(name)
+        return _reference_slice(full_tensor.detach(), which, splits.get(base), reverse.get(base, False), ws, rank)
+    report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0, "expert_adapters": len(experts)}
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
             if LORA not in name and ".modules_to_save." not in name:
                 continue
-            base, which = _base_name(name)
             # a fresh adapter: whole tensors equal on every rank
             gathered = [torch.empty_like(p) for _ in range(ws)]
             dist.all_gather(gathered, p.detach().contiguous())
             if tuple(p.shape) == tuple(full_named[name].shape):
                 report["fresh_whole_differs"] += int(any(not torch.equal(g, p) for g in gathered))
-            want = _reference_slice(full_named[name].detach(), which, splits.get(base), reverse.get(base, False),
-                                    ws, rank)
+            want = reference(name, full_named[name])
             report["split"] += int(tuple(want.shape) != tuple(full_named[name].shape))
-            assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape), splits.get(base))
+            assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape), splits.get(_base_name(name)[0]))
             p.copy_(want)
             report["adapters"] += 1
 
@@ -119,8 +147,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     for name, p in sharded_peft.named_parameters():
         if not p.requires_grad:
             continue
-        base, which = _base_name(name)
-        want = _reference_slice(full_named[name].grad, which, splits.get(base), reverse.get(base, False), ws, rank)
+        want = reference(name, full_named[name].grad)
         got = p.grad if p.grad is not None else torch.zeros_like(p)  # (never used: no gradient)
         rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         if rel > worst:
@@ -145,16 +172,16 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
                                               sharded_peft.generate(input_ids=prompt, **kw))
     # a second adapter beside the first (add_adapter with a config PEFT did not see registered: the layers are
     # already tpmap's), switched to and back with set_adapter
-    second = LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+    second = LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False,
+                        target_parameters=target_parameters)
     full_peft.add_adapter("second", second)
     sharded_peft.add_adapter("second", second)
     full_named = dict(full_peft.named_parameters())
+    experts = _expert_slicer(full_peft, splits)
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
             if ".second." in name or name.endswith(".second"):  # (an embedding LoRA: a bare Parameter)
-                base, which = _base_name(name)
-                p.copy_(_reference_slice(full_named[name].detach(), which, splits.get(base),
-                                         reverse.get(base, False), ws, rank))
+                p.copy_(reference(name, full_named[name]))
     for model in (full_peft, sharded_peft):
         model.set_adapter("second")
     want = forward(full_peft)
@@ -252,9 +279,10 @@ def transformers_class(name: str):
 
 
 def expert_target_case() -> dict:
-    """LoRA aimed at MoE expert tensors that a Param entry splits (PEFT maps gate_proj onto DeepSeek-V3's experts):
-    refused, naming the tensor, and the model left as it was."""
-    sharded = tpmap.apply(verify.build_model("deepseek_v3", 0, "DeepseekV3ForCausalLM"), dist.get_world_size())
+    """LoRA aimed at MoE expert tensors that a Param entry splits in a layout tpmap.peft does not split adapters
+    for (DBRX's experts stacked as 2-D (E * I, H), split along dim 0 in E sections): refused, naming the tensor,
+    and the model left as it was."""
+    sharded = tpmap.apply(verify.build_model("dbrx", 0, "DbrxForCausalLM"), dist.get_world_size())
 
     def state():
         return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
@@ -262,7 +290,8 @@ def expert_target_case() -> dict:
 
     before = state()
     try:
-        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
+        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["out_proj"],
+                                                      target_parameters=["ffn.experts.mlp.w1"]))
         message = None
     except NotImplementedError as e:
         message = str(e)
