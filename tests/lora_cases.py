@@ -391,3 +391,36 @@ def lora_dropout_case(sequence_parallel: bool = False) -> dict:
         dist.all_gather(everyone, value.contiguous())
         report[key] = all(torch.equal(everyone[0], v) for v in everyone[1:])
     return report
+
+
+def expert_adapter_trainable_later_case(folder: str) -> dict:
+    """An expert adapter (target_parameters) loaded for inference onto a sharded Mixtral, then made trainable: the
+    whole factors' gradients (A of gate_up_proj, B of down_proj) still get their all-reduce, attached at the first
+    forward that trains. Returns the worst relative difference of each whole factor's gradient against unsharded
+    PEFT's on the same adapter and loss (fp64)."""
+    from peft import PeftModel
+
+    ws = dist.get_world_size()
+    full = verify.build_model("mixtral", 0, "MixtralForCausalLM").to(torch.float64)
+    full.set_experts_implementation("eager")
+    if dist.get_rank() == 0:
+        torch.manual_seed(4)
+        config = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"],
+                            init_lora_weights=False)
+        unsharded_peft_model(copy.deepcopy(full), config).save_pretrained(folder)
+    dist.barrier()
+    loaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(full), ws), folder)  # inference
+    plain = PeftModel.from_pretrained(full, folder, is_trainable=True)
+    for name, p in loaded.named_parameters():
+        p.requires_grad_(LORA in name)
+    ids = torch.arange(2, 26).view(2, 12) % 200
+    for model in (loaded, plain):
+        model(input_ids=ids, labels=ids).loss.backward()
+    want = dict(plain.named_parameters())
+    worst = {}
+    for name, p in loaded.named_parameters():
+        if LORA in name and p.shape == want[name].shape:  # a whole factor
+            g = want[name].grad
+            worst[name] = ((p.grad - g).abs().max() / g.abs().max()).item()
+    return worst

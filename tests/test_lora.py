@@ -157,20 +157,27 @@ def test_an_adapter_that_does_not_fit_is_refused_on_every_rank_and_leaves_the_mo
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # (E, 2I, H) split by I in sections, (E, H, I) by I
 
 
-@pytest.mark.parametrize("ref,cls,ws", [pytest.param(ref, FAMILIES[ref][0], ws, id=f"{ref}-ws{ws}",
-                                                     marks=() if (ref, ws) == ("mixtral", 2) else pytest.mark.full)
-                                        for ref in ("mixtral", "qwen3_moe") for ws in (2, 4)])
-def test_lora_on_split_expert_tensors_is_exact_against_unsharded_peft(ranks, ref, cls, ws, tmp_path):
-    """PEFT's target_parameters on the experts' 3-D tensors that Param entries split inside every expert, beside
-    LoRA on the attention: the same checks as above (logits, every expert LoRA gradient against the reference
-    slice, two steps, generate, a second adapter, save/load by plain PEFT and onto a fresh sharded model, merge)."""
+# ref -> (LoRA target_modules, target_parameters): DeepSeek-V3's gate_proj / up_proj / down_proj are names PEFT
+# itself maps onto its experts' 3-D tensors (no target_parameters given)
+EXPERT_CASES = {"mixtral": (ATTN, EXPERTS), "qwen3_moe": (ATTN, EXPERTS),
+                "deepseek_v3": (["q_a_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], None)}
+
+
+@pytest.mark.parametrize("ref,ws", [pytest.param(ref, ws, id=f"{ref}-ws{ws}",
+                                                 marks=() if (ref, ws) == ("mixtral", 2) else pytest.mark.full)
+                                    for ref in EXPERT_CASES for ws in (2, 4)])
+def test_lora_on_split_expert_tensors_is_exact_against_unsharded_peft(ranks, ref, ws, tmp_path):
+    """PEFT's LoRA on the experts' 3-D tensors that Param entries split inside every expert, beside LoRA on the
+    attention: the same checks as above (logits, every expert LoRA gradient against the reference slice, two
+    steps, generate, a second adapter, save/load by plain PEFT and onto a fresh sharded model, merge)."""
     import lora_cases
 
     from tpmap import verify
 
+    cls, (targets, parameters) = FAMILIES[ref][0], EXPERT_CASES[ref]
     index = next(i for i, v in enumerate(verify.resolve(ref).mapping.verify) if ws in v.world_sizes and cls in v.models)
-    per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, cls, ATTN, str(tmp_path), torch.float64, None, False,
-                             False, EXPERTS)
+    per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, cls, targets, str(tmp_path), torch.float64, None,
+                             False, False, parameters)
     for rank, r in enumerate(per_rank):
         assert r["expert_adapters"] > 0 and r["adapters"] == r["trainable"] > 0 and r["split"] > 0, (rank, r)
         assert r["fresh_whole_differs"] == 0, ("a whole adapter tensor differs across ranks at init", rank, r)
@@ -179,6 +186,14 @@ def test_lora_on_split_expert_tensors_is_exact_against_unsharded_peft(ranks, ref
             assert r[key] <= LOOSER[ref], (key, rank, r[key], r.get("grad_worst"), r.get("file_diff"))
         assert r["merged_left"] == 0 and r["generate_same"] is True, (rank, r)
     assert per_rank[0]["file_shapes_ok"], per_rank[0]["file_diff"]
+
+
+@pytest.mark.full
+def test_an_expert_adapter_loaded_for_inference_then_trained_sums_its_whole_factors_gradients(ranks, tmp_path):
+    import lora_cases
+
+    for worst in ranks(2).run(lora_cases.expert_adapter_trainable_later_case, str(tmp_path)):
+        assert len(worst) == 4 and max(worst.values()) <= 1e-5, worst  # 2 layers x (gate_up A, down B)
 
 
 def test_lora_on_expert_tensors_split_another_way_is_refused_and_leaves_the_model_as_it_was(ranks):

@@ -233,7 +233,7 @@ class ParallelParamWrapper(peft.tuners.lora.ParamWrapper):
         _draw_like_unsharded(self, adapter_name, config.init_lora_weights, full_in, full_out, shard.name,
                              dist.get_rank(group))
         whole = self.lora_A[adapter_name] if self._split_out() else self.lora_B[adapter_name]
-        _on_gradient(whole, functools.partial(all_reduced, group=group))
+        _on_gradient(whole, functools.partial(all_reduced, group=group), trigger=self)
 
     def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
         """How lora_A or lora_B of an adapter is spread: B's rows like W's out, or A's columns like W's in."""
@@ -281,19 +281,20 @@ class ParallelLoraEmbedding(peft.tuners.lora.Embedding):
         return output if output_fn is None else output_fn(output)
 
 
-def _on_gradient(linear: nn.Linear, hook) -> None:
-    """`hook` on the gradient of linear.weight, now if it trains, else at its first forward that trains
-    (an adapter loaded for inference may be made trainable later); once per parameter object."""
+def _on_gradient(linear: nn.Linear, hook, trigger: nn.Module | None = None) -> None:
+    """`hook` on the gradient of linear.weight, now if it trains, else at the first forward of `trigger` (default:
+    `linear`; a ParamWrapper, which reads its factors' weights without calling them) that trains (an adapter
+    loaded for inference may be made trainable later); once per parameter object."""
     hooked: list[torch.Tensor] = []
 
     def attach(module, args):
-        p = module.weight
+        p = linear.weight
         if p.requires_grad and not any(h is p for h in hooked):
             p.register_hook(hook)
             hooked.append(p)
 
     attach(linear, ())
-    linear.register_forward_pre_hook(attach)
+    (linear if trigger is None else trigger).register_forward_pre_hook(attach)
 
 
 def prepare(model: nn.Module) -> nn.Module:
