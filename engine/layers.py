@@ -75,14 +75,15 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
         if self.seq is not None and self.seq.active:  # x: this rank's tokens, or all, gathered upstream
-            y = self.seq.column_matmul(x, self)  # (..., T, out/ws): keeps only this rank's tokens for backward
+            # y (..., T, out/ws) keeps only this rank's tokens for backward; x now the whole sequence it read
+            y, x = self.seq.column_matmul(x, self)
         else:
             if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
                 x = (copy_to_tp_region(x, self.tp_group) if self.shared_copy is None
                      else self.shared_copy(x, self.tp_group))
             y = _matmul(x, self.weight, self.reverse)
-            if self.adapter_delta is not None:
-                y = y + self.adapter_delta(x)  # (..., out/ws)
+        if self.adapter_delta is not None:  # on the input the product read: its gradient joins the same collective
+            y = y + self.adapter_delta(x)  # (..., out/ws)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -121,22 +122,25 @@ class RowParallelLinear(_TPModule):
 
     def forward(self, x):  # (..., in/ws) -> (..., out)
         if self.seq is not None and self.seq.active and self.seq_closed:  # inside a closed parent (engine.sequence)
-            return self.seq.closed_row(_matmul(x, self.weight, self.reverse), self.bias, self)
+            return self.seq.closed_row(self._partial(x), self.bias, self)
         if self.seq is not None and self.seq.active:  # (..., T, in/ws) -> (..., T/ws, out): reduce-scatter
             # the block, not the Row, leaves the dropout region: what follows holds this rank's tokens
-            y = reduce_scatter_to_sequence_region(self.seq.row_partial(_matmul(x, self.weight, self.reverse), self),
-                                                  self.tp_group, -2)
+            y = reduce_scatter_to_sequence_region(self.seq.row_partial(self._partial(x), self), self.tp_group, -2)
         else:
             try:
-                partial = _matmul(x, self.weight, self.reverse)  # (..., out): this rank's term of the sum
-                if self.adapter_delta is not None:
-                    partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce
+                partial = self._partial(x)
             finally:  # also when the product raises: activation checkpointing stops its replay early by
                 # raising from the pack hook of the last tensor it needs, here when this Row saves it
                 if self.training:
                     rng.leave_sharded_region(self.dropout_watch)
             y = reduce_from_tp_region(partial, self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
+
+    def _partial(self, x):  # (..., in/ws) -> (..., out): this rank's term of the sum
+        partial = _matmul(x, self.weight, self.reverse)
+        if self.adapter_delta is not None:
+            partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce (or reduce-scatter)
+        return partial
 
     def extra_repr(self) -> str:
         return f"weight={tuple(self.weight.shape)}, reverse={self.reverse}"

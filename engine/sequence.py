@@ -93,6 +93,7 @@ class SequenceState:
         # hidden states) only in a one-stack model: in an encoder-decoder the decoder's blocks also take the
         # encoder's output, a different sequence that stays whole, which may have the same length by chance.
         self.side_inputs = stacks == 1
+        self.stack_prefixes: tuple[str, ...] = ()  # per stack, its blocks' ModuleList name and a dot ("model.layers.")
 
     def record_batch(self, module, args, kwargs):
         self.batch = _batch_of(args, kwargs)
@@ -108,7 +109,8 @@ class SequenceState:
     # -- called by ColumnParallelLinear / RowParallelLinear while active --------------------------------
     def column_matmul(self, x: torch.Tensor, column) -> torch.Tensor:
         """A Column's product on the whole sequence, (..., T/ws or T, in) -> (..., T, out/ws): gathered here
-        (siblings reading one tensor share the gather) or by the parent. Saves only this rank's tokens."""
+        (siblings reading one tensor share the gather) or by the parent. Saves only this rank's tokens.
+        Returns (the product, the input it read: (..., T, in), which an adapter's term reads too)."""
         if column.seq_gathers:
             self._check(x, self.tokens // self.ws, column, "input")
             full, local = self._shared_gather(x)
@@ -117,15 +119,16 @@ class SequenceState:
         elif x.numel() // max(x.shape[-1], 1) == self.tokens // self.ws != self.tokens and self.side_inputs:
             full, local = self._shared_gather(x)  # this rank's tokens beside the parent's input (MobileBERT's value)
         elif not (x.requires_grad and torch.is_grad_enabled()):  # no backward: only the forward must be right
-            return _matmul(x, column.weight, column.reverse)
+            return _matmul(x, column.weight, column.reverse), x
         elif self._derives_from_gather(x):  # computed from the gathered input inside the parent (a norm)
             self._check(x, self.tokens, column, "input")
             full = x  # replicated on every rank: cut this rank's chunk for the backward
             local = x.detach().narrow(-2, dist.get_rank(self.group) * (x.shape[-2] // self.ws),
                                       x.shape[-2] // self.ws).contiguous()
         else:  # a side input from outside the blocks (DeBERTa's relative embeddings): plain TP's copy
-            return _matmul(self._copied(x), column.weight, column.reverse)
-        return _SeqLinear.apply(full, local, column.weight, column.reverse, self.group)
+            copied = self._copied(x)
+            return _matmul(copied, column.weight, column.reverse), copied
+        return _SeqLinear.apply(full, local, column.weight, column.reverse, self.group), full
 
     def _shared_gather(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x all-gathered along dim -2, x detached): siblings reading one tensor share one gather."""
@@ -465,6 +468,7 @@ def install_sequence_parallel(model: nn.Module, sp: SequencePlan, group) -> Sequ
         row = model.get_submodule(name)
         row.__dict__["seq"], row.seq_closed = state, True
     stacks = [first.rpartition(".")[0] + "." for first, _ in sp.ends]
+    state.stack_prefixes = tuple(stacks)
     for name in sp.grad_allreduce:
         p = model.get_parameter(name)
         if p.requires_grad:

@@ -16,6 +16,7 @@ import tpmap.peft
 from tpmap import verify
 
 LORA = "lora_"
+SP_SEQ = 12  # tokens of a sequence-parallel case: 2, 3 and 4 divide it
 
 
 def _base_name(lora_name: str) -> tuple[str, str]:
@@ -44,10 +45,36 @@ def _reference_slice(full_tensor, which: str, split, reverse: bool, ws: int, ran
     return local.T if reverse else local
 
 
+def _expert_slicer(full_peft, splits: dict):
+    """For each LoRA tensor of a PEFT ParamWrapper in the unsharded model (``target_parameters``: MoE experts
+    (E, out, in)), by its parameter name: the reference slice of this rank. PEFT's A is (r*E, in), B (out, r*E):
+    a tensor split along out (dim 1) has B's rows split the same way, one split along in (dim 2) A's columns."""
+    from peft.tuners.lora import ParamWrapper
+
+    cuts = {}
+    for module_name, module in full_peft.named_modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        owner = module_name.removeprefix("base_model.model.").replace(".base_layer", "")
+        split = splits.get(f"{owner}.{module.parameter_name}")
+        for which, container in (("A", module.lora_A), ("B", module.lora_B)):
+            for adapter in container:
+                cut = None
+                if split is not None and split.dim is not None and (which == "B") == (split.dim == 1):
+                    def cut(full, ws, rank, split=split):  # (out, rE) as (1, out, rE); (rE, in) as (1, rE, in)
+                        return split.local(full.unsqueeze(0), ws, rank).squeeze(0)
+                cuts[f"{module_name}.lora_{which}.{adapter}.weight"] = cut
+    return cuts
+
+
 def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], folder: str,
-              dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False) -> dict:
+              dtype=torch.float64, modules_to_save: list[str] | None = None, int8_base: bool = False,
+              sequence_parallel: bool = False, target_parameters: list[str] | None = None) -> dict:
     """`int8_base`: the base's Linear layers (not the LM head) quantized by torchao (int8 weight-only) before
-    sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides."""
+    sharding, QLoRA-style: a frozen quantized base under float adapters, on both sides. `sequence_parallel`:
+    `target_parameters`: PEFT's LoRA on bare tensors too (MoE experts). `sequence_parallel`:
+    applied with it, on SP_SEQ tokens (an encoder-decoder's decoder too), which every world size divides: the
+    report's "sp_split" lists, per stack, whether its last forward ran split."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
@@ -58,37 +85,49 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
                   filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")
-    inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
     loaded = verify.resolve(ref)
-    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
+    if sequence_parallel:
+        inputs = verify.example_inputs(full, loaded.mapping.verify[verify_index].inputs, seq=SP_SEQ, seed=5)
+        if "decoder_input_ids" in inputs:  # (seq // 2 + 1 by default)
+            inputs["decoder_input_ids"] = torch.randint(3, full.config.vocab_size, (2, SP_SEQ),
+                                                        generator=torch.Generator().manual_seed(6))
+    else:
+        inputs = verify.case_inputs(ref, verify_index, full)
+    inputs, has_labels = loss_kwargs(full, in_dtype(inputs, dtype))
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded, sequence_parallel=sequence_parallel)
     plan = sharded.tpmap_plan
     splits = slicing_reference.splits(full, loaded, plan, ws)
     reverse = {m.name + ".weight": m.reverse for m in plan.modules}
 
     def config():
         return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
-                          modules_to_save=modules_to_save)
+                          modules_to_save=modules_to_save, target_parameters=target_parameters)
 
     pristine = copy.deepcopy(full)  # (get_peft_model wraps `full` in place)
     torch.manual_seed(1)  # init_lora_weights=False: A and B random, so every term of the math is exercised
     full_peft = unsharded_peft_model(full, config())
     sharded_peft = tpmap.peft.get_peft_model(sharded, config())
     full_named = dict(full_peft.named_parameters())
-    report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0}
+    experts = _expert_slicer(full_peft, splits)
+
+    def reference(name, full_tensor):  # this rank's slice of a full-size adapter tensor (or its gradient)
+        if name in experts:
+            return full_tensor.detach() if experts[name] is None else experts[name](full_tensor, ws, rank)
+        base, which = _base_name(name)
+        return _reference_slice(full_tensor.detach(), which, splits.get(base), reverse.get(base, False), ws, rank)
+    report = {"adapters": 0, "split": 0, "fresh_whole_differs": 0, "expert_adapters": len(experts)}
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
             if LORA not in name and ".modules_to_save." not in name:
                 continue
-            base, which = _base_name(name)
             # a fresh adapter: whole tensors equal on every rank
             gathered = [torch.empty_like(p) for _ in range(ws)]
             dist.all_gather(gathered, p.detach().contiguous())
             if tuple(p.shape) == tuple(full_named[name].shape):
                 report["fresh_whole_differs"] += int(any(not torch.equal(g, p) for g in gathered))
-            want = _reference_slice(full_named[name].detach(), which, splits.get(base), reverse.get(base, False),
-                                    ws, rank)
+            want = reference(name, full_named[name])
             report["split"] += int(tuple(want.shape) != tuple(full_named[name].shape))
-            assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape), splits.get(base))
+            assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape), splits.get(_base_name(name)[0]))
             p.copy_(want)
             report["adapters"] += 1
 
@@ -99,6 +138,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
     logits_full, logits_sharded = forward(full_peft), forward(sharded_peft)
+    seq_state = getattr(sharded, "tpmap_sequence", None)
+    report["sp_split"] = None if seq_state is None else sorted(seq_state._active.values())
     report["logits_rel"] = ((logits_full - logits_sharded).abs().max() / logits_full.abs().max()).item()
     loss_of(full_peft, inputs, has_labels).backward()
     loss_of(sharded_peft, inputs, has_labels).backward()
@@ -106,8 +147,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     for name, p in sharded_peft.named_parameters():
         if not p.requires_grad:
             continue
-        base, which = _base_name(name)
-        want = _reference_slice(full_named[name].grad, which, splits.get(base), reverse.get(base, False), ws, rank)
+        want = reference(name, full_named[name].grad)
         got = p.grad if p.grad is not None else torch.zeros_like(p)  # (never used: no gradient)
         rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         if rel > worst:
@@ -132,16 +172,16 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
                                               sharded_peft.generate(input_ids=prompt, **kw))
     # a second adapter beside the first (add_adapter with a config PEFT did not see registered: the layers are
     # already tpmap's), switched to and back with set_adapter
-    second = LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+    second = LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False,
+                        target_parameters=target_parameters)
     full_peft.add_adapter("second", second)
     sharded_peft.add_adapter("second", second)
     full_named = dict(full_peft.named_parameters())
+    experts = _expert_slicer(full_peft, splits)
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
             if ".second." in name or name.endswith(".second"):  # (an embedding LoRA: a bare Parameter)
-                base, which = _base_name(name)
-                p.copy_(_reference_slice(full_named[name].detach(), which, splits.get(base),
-                                         reverse.get(base, False), ws, rank))
+                p.copy_(reference(name, full_named[name]))
     for model in (full_peft, sharded_peft):
         model.set_adapter("second")
     want = forward(full_peft)
@@ -170,7 +210,8 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         plain = PeftModel.from_pretrained(copy.deepcopy(pristine), folder)
         report["saved_rel"] = ((forward(plain) - want).abs().max() / want.abs().max()).item()
     # and loaded onto a fresh sharded model, each rank reading its slices
-    reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded), folder)
+    reloaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(pristine), ws, mapping=loaded,
+                                                      sequence_parallel=sequence_parallel), folder)
     report["loaded_rel"] = ((forward(reloaded) - want).abs().max() / want.abs().max()).item()
     if int8_base:  # (merging into a quantized weight re-quantizes it: PEFT needs the quantizer's config for that)
         report["merged_rel"], report["merged_left"] = 0.0, 0
@@ -238,9 +279,10 @@ def transformers_class(name: str):
 
 
 def expert_target_case() -> dict:
-    """LoRA aimed at MoE expert tensors that a Param entry splits (PEFT maps gate_proj onto DeepSeek-V3's experts):
-    refused, naming the tensor, and the model left as it was."""
-    sharded = tpmap.apply(verify.build_model("deepseek_v3", 0, "DeepseekV3ForCausalLM"), dist.get_world_size())
+    """LoRA aimed at MoE expert tensors that a Param entry splits in a layout tpmap.peft does not split adapters
+    for (DBRX's experts stacked as 2-D (E * I, H), split along dim 0 in E sections): refused, naming the tensor,
+    and the model left as it was."""
+    sharded = tpmap.apply(verify.build_model("dbrx", 0, "DbrxForCausalLM"), dist.get_world_size())
 
     def state():
         return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
@@ -248,7 +290,8 @@ def expert_target_case() -> dict:
 
     before = state()
     try:
-        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
+        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["out_proj"],
+                                                      target_parameters=["ffn.experts.mlp.w1"]))
         message = None
     except NotImplementedError as e:
         message = str(e)
@@ -325,12 +368,14 @@ def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
             "dp": dp_rank, "tp": tp_rank}
 
 
-def lora_dropout_case() -> dict:
+def lora_dropout_case(sequence_parallel: bool = False) -> dict:
     """LoRA dropout in training mode follows the RNG regions: the masks on a Column's replicated input (q, k, v:
     k and v run after q has opened the sharded region) are the same on every rank, the masks on a Row's split
-    input (o_proj) differ, and the replicated output is the same on every rank."""
+    input (o_proj) differ, and the replicated output is the same on every rank. With sequence parallelism the
+    Columns' input is the gathered sequence, replicated (the block's region is open: their masks come from the
+    default stream all the same), and the Row's is this rank's features of every token."""
     ws = dist.get_world_size()
-    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws)
+    sharded = tpmap.apply(verify.build_model("llama", 0, "LlamaForCausalLM"), ws, sequence_parallel=sequence_parallel)
     model = tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                                           lora_dropout=0.5, init_lora_weights=False))
     masks = {}
@@ -346,3 +391,36 @@ def lora_dropout_case() -> dict:
         dist.all_gather(everyone, value.contiguous())
         report[key] = all(torch.equal(everyone[0], v) for v in everyone[1:])
     return report
+
+
+def expert_adapter_trainable_later_case(folder: str) -> dict:
+    """An expert adapter (target_parameters) loaded for inference onto a sharded Mixtral, then made trainable: the
+    whole factors' gradients (A of gate_up_proj, B of down_proj) still get their all-reduce, attached at the first
+    forward that trains. Returns the worst relative difference of each whole factor's gradient against unsharded
+    PEFT's on the same adapter and loss (fp64)."""
+    from peft import PeftModel
+
+    ws = dist.get_world_size()
+    full = verify.build_model("mixtral", 0, "MixtralForCausalLM").to(torch.float64)
+    full.set_experts_implementation("eager")
+    if dist.get_rank() == 0:
+        torch.manual_seed(4)
+        config = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"],
+                            init_lora_weights=False)
+        unsharded_peft_model(copy.deepcopy(full), config).save_pretrained(folder)
+    dist.barrier()
+    loaded = tpmap.peft.from_pretrained(tpmap.apply(copy.deepcopy(full), ws), folder)  # inference
+    plain = PeftModel.from_pretrained(full, folder, is_trainable=True)
+    for name, p in loaded.named_parameters():
+        p.requires_grad_(LORA in name)
+    ids = torch.arange(2, 26).view(2, 12) % 200
+    for model in (loaded, plain):
+        model(input_ids=ids, labels=ids).loss.backward()
+    want = dict(plain.named_parameters())
+    worst = {}
+    for name, p in loaded.named_parameters():
+        if LORA in name and p.shape == want[name].shape:  # a whole factor
+            g = want[name].grad
+            worst[name] = ((p.grad - g).abs().max() / g.abs().max()).item()
+    return worst

@@ -22,8 +22,16 @@ a Column's LoRA input is replicated (the same mask on every rank, drawn before t
 this rank's slice (drawn in the sharded region). Merging (``merge_and_unload``) adds B_r A (Column) or B A_r
 (Row) to the local weight: PEFT's own merge, since the adapter tensors are shaped like the local weight.
 
-Not yet: vocabulary-parallel embeddings, expert Params (``target_parameters``), sequence
-parallelism, mixed-adapter batches, DoRA and other LoRA variants: each is refused with a message.
+Sequence parallelism: a Column's term reads the gathered sequence its product read (the LoRA path's input gradient
+joins the base's before the gather's reduce-scatter) and a Row's joins the partial sum before its reduce-scatter,
+so the collectives are the base layer's and dA / dB are all-reduced as above. PEFT's own LoRA layers on modules
+kept whole inside the blocks get the stack's gradient sum, as its norms do (`take_over_entry_hooks`).
+
+Expert tensors (``target_parameters``: PEFT's ParamWrapper on MoE experts (E, out, in)) that a Param entry
+splits inside every expert: `ParallelParamWrapper`, B's rows or A's columns split like the tensor's.
+
+Not yet: expert tensors split another way, mixed-adapter batches, DoRA and other LoRA variants: each is refused
+with a message.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.checkpoint.save import delegate_saving
 from tpmap.engine import rng
 from tpmap.engine.layers import (
+    TP_MODULES,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -57,6 +66,8 @@ from tpmap.engine.shard import all_reduced, full_tensor, sum_over_holders, take
 
 SHARD_ATTR = "tpmap_weight_shard"  # set on each Column/Row by `prepare`: the ParamShard of its weight
 SEED_ATTR = "tpmap_lora_seed"  # and the seed fresh adapters are drawn from, the same on every rank
+PARAM_SHARDS_ATTR = "tpmap_param_shards"  # on a module holding tensors Param entries split: {tensor name: ParamShard}
+OWNER_GROUP_ATTR = "tpmap_lora_group"  # and the group it was sharded over (None: the default group)
 
 
 class ParallelLoraLinear(_LoraLinear):
@@ -68,8 +79,6 @@ class ParallelLoraLinear(_LoraLinear):
         if getattr(layer, SHARD_ATTR, None) is None:
             raise ValueError(f"{type(layer).__name__} has no tpmap plan: call tpmap.peft.get_peft_model or "
                              "tpmap.peft.prepare(model) on the model tpmap sharded, not on a copy of one layer")
-        if layer.seq is not None:
-            raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
         if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
             raise NotImplementedError("tpmap.peft supports plain LoRA (use_dora=False, lora_bias=False)")
         super().__init__(base_layer, adapter_name, config, **kwargs)
@@ -102,21 +111,7 @@ class ParallelLoraLinear(_LoraLinear):
         _, shard, rank, _ = self._split()
         reverse = getattr(self.get_base_layer(), "reverse", False)
         full_out, full_in = shard.full_shape[::-1] if reverse else shard.full_shape
-        a, b = self.lora_A[adapter_name], self.lora_B[adapter_name]
-        seed = self.get_base_layer().__dict__[SEED_ATTR] + zlib.crc32(f"{shard.name}/{adapter_name}".encode())
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed % 2**63)
-            twin_a = nn.Linear(full_in, a.out_features, bias=False, dtype=a.weight.dtype)
-            twin_b = nn.Linear(b.in_features, full_out, bias=False, dtype=b.weight.dtype)
-            self.lora_A[adapter_name], self.lora_B[adapter_name] = twin_a, twin_b
-            try:
-                self.reset_lora_parameters(adapter_name, init)
-            finally:
-                self.lora_A[adapter_name], self.lora_B[adapter_name] = a, b
-        with torch.no_grad():  # B_r: the rows of B a Column keeps; A_r: the columns of A a Row keeps
-            for which, module, twin in (("A", a, twin_a), ("B", b, twin_b)):
-                split = self.adapter_shard(which, adapter_name)
-                module.weight.copy_(twin.weight if split is None else take(twin.weight, split, rank))
+        _draw_like_unsharded(self, adapter_name, init, full_in, full_out, shard.name, rank)
 
     def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
         """How lora_A or lora_B (`which`: "A" or "B") of an adapter is spread: B's rows of a Column, A's
@@ -175,6 +170,97 @@ class ParallelLoraLinear(_LoraLinear):
         return out.to(dtype)
 
 
+def _draw_like_unsharded(layer, adapter_name: str, init, full_in: int, full_out: int, name: str, rank: int) -> None:
+    """PEFT's own init of `layer`'s A (r', full_in) and B (full_out, r') at full size, drawn alike on every rank
+    (the seed `prepare` shared, mixed with the base tensor's `name` and the adapter's), then this rank's slices
+    (layer.adapter_shard): whole tensors agree across ranks, split ones are slices of one tensor."""
+    a, b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
+    base = layer.get_base_layer()
+    seed = base.__dict__[SEED_ATTR] + zlib.crc32(f"{name}/{adapter_name}".encode())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed % 2**63)
+        twin_a = nn.Linear(full_in, a.out_features, bias=False, dtype=a.weight.dtype)
+        twin_b = nn.Linear(b.in_features, full_out, bias=False, dtype=b.weight.dtype)
+        layer.lora_A[adapter_name], layer.lora_B[adapter_name] = twin_a, twin_b
+        try:
+            layer.reset_lora_parameters(adapter_name, init)
+        finally:
+            layer.lora_A[adapter_name], layer.lora_B[adapter_name] = a, b
+    with torch.no_grad():  # e.g. B_r: the rows of B a Column keeps; A_r: the columns of A a Row keeps
+        for which, module, twin in (("A", a, twin_a), ("B", b, twin_b)):
+            split = layer.adapter_shard(which, adapter_name)
+            module.weight.copy_(twin.weight if split is None else take(twin.weight, split, rank))
+
+
+class ParallelParamWrapper(peft.tuners.lora.ParamWrapper):
+    """PEFT's LoRA on a bare parameter (``target_parameters``; MoE experts stored as 3-D tensors) that a Param
+    entry splits inside each expert. PEFT's math, on the local tensor: with W (E, out, in) (transformers' layout;
+    PEFT reads (E, in, out) for a layer marked ``is_transposed``), A (r*E, in) and B (out, r*E), expert e's delta is
+    s * B[:, r-block e] A[r-block e, :] (PEFT's reshapes), folded into W by a parametrization for the forward.
+    The split dim of W is out or in of every expert, so:
+
+    * split along out (gate_up_proj (E, 2I, H) by I, gate|up sections alike): B_r = the same rows of B as W_r's
+      (its ``pieces``), A whole; dA is a sum over ranks: all-reduced.
+    * split along in (down_proj (E, H, I) by I): A_r = the same columns of A, B whole; dB all-reduced.
+
+    The local delta is then this rank's slice of the full one, so the forward, PEFT's merge (W_r += delta_r) and
+    the expert block's own collectives (its Reduce) are unchanged. A tensor split along the experts (dim 0), a
+    partial one or a cut ModuleList is refused by get_peft_model (`_refuse_split_parameters`)."""
+
+    def __init__(self, base_layer, adapter_name: str, config, parameter_name: str | None = None, **kwargs):
+        if parameter_name is None:  # (target_modules naming the experts module itself, not one of its tensors)
+            raise ValueError(f"tpmap.peft: LoRA on {type(base_layer).__name__} as a module: it holds tensors a Param "
+                             "entry splits; target them with LoraConfig(target_parameters=[...]) instead")
+        super().__init__(base_layer, adapter_name, parameter_name=parameter_name, config=config, **kwargs)
+
+    def _shard(self) -> ParamShard | None:
+        """The Param entry's shard of the wrapped tensor when it splits it inside every expert, else None."""
+        shard = self.get_base_layer().__dict__.get(PARAM_SHARDS_ATTR, {}).get(self.parameter_name)
+        return shard if shard is not None and _inside_experts(shard) else None
+
+    def _split_out(self) -> bool:  # whether W's split dim is PEFT's out (B's rows), else its in (A's columns)
+        return self._shard().dim == (1 if self._did_swap_in_out_features else 2)
+
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        shard = self._shard()
+        if shard is None:  # whole on every rank: PEFT's layer as it is
+            return
+        group = self.get_base_layer().__dict__[OWNER_GROUP_ATTR]
+        full = shard.full_shape[shard.dim]
+        out_features, in_features = self.out_features, self.in_features
+        full_out, full_in = (full, in_features) if self._split_out() else (out_features, full)
+        _draw_like_unsharded(self, adapter_name, config.init_lora_weights, full_in, full_out, shard.name,
+                             dist.get_rank(group))
+        whole = self.lora_A[adapter_name] if self._split_out() else self.lora_B[adapter_name]
+        _on_gradient(whole, functools.partial(all_reduced, group=group), trigger=self)
+
+    def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
+        """How lora_A or lora_B of an adapter is spread: B's rows like W's out, or A's columns like W's in."""
+        shard = self._shard()
+        if shard is None or (which == "B") != self._split_out():
+            return None
+        rank_e = self.r[adapter_name] * self.num_experts
+        features = shard.full_shape[shard.dim]
+        return ParamShard(name=f"lora_{which}", full_shape=(features, rank_e) if which == "B" else (rank_e, features),
+                          dim=0 if which == "B" else 1, pieces=shard.pieces, local_size=shard.local_size)
+
+
+def _inside_experts(shard: ParamShard) -> bool:
+    """Whether a Param entry's shard cuts a 3-D tensor (experts, d1, d2) inside every expert (d1 or d2)."""
+    return len(shard.full_shape) == 3 and shard.dim in (1, 2) and not shard.partial and shard.holder == "parameter"
+
+
+_PEFT_LAYER_CLASSES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
+# PEFT 0.21 tells a ParamWrapper by its class name, not isinstance (tuners_utils._inject_parameters: "use the class
+# name for checking to avoid circular import"), where it nests a second tensor's wrapper of the same module
+# (gate_up_proj, then down_proj) and where a later adapter reuses a wrapper: under another name either refuses
+# ("Trying to wrap an `nn.Parameter` of layer ... which is not a valid target"). So this subclass carries its name.
+ParallelParamWrapper.__name__ = "ParamWrapper"
+
+
 class ParallelLoraEmbedding(peft.tuners.lora.Embedding):
     """PEFT's embedding LoRA on a vocabulary-parallel embedding. A (r, V) and B (H, r) stay whole on every rank:
     the term s * B A[ids] is added to the embedding's all-reduced output, the same on every rank, so its gradients
@@ -195,19 +281,20 @@ class ParallelLoraEmbedding(peft.tuners.lora.Embedding):
         return output if output_fn is None else output_fn(output)
 
 
-def _on_gradient(linear: nn.Linear, hook) -> None:
-    """`hook` on the gradient of linear.weight, now if it trains, else at its first forward that trains
-    (an adapter loaded for inference may be made trainable later); once per parameter object."""
+def _on_gradient(linear: nn.Linear, hook, trigger: nn.Module | None = None) -> None:
+    """`hook` on the gradient of linear.weight, now if it trains, else at the first forward of `trigger` (default:
+    `linear`; a ParamWrapper, which reads its factors' weights without calling them) that trains (an adapter
+    loaded for inference may be made trainable later); once per parameter object."""
     hooked: list[torch.Tensor] = []
 
     def attach(module, args):
-        p = module.weight
+        p = linear.weight
         if p.requires_grad and not any(h is p for h in hooked):
             p.register_hook(hook)
             hooked.append(p)
 
     attach(linear, ())
-    linear.register_forward_pre_hook(attach)
+    (linear if trigger is None else trigger).register_forward_pre_hook(attach)
 
 
 def prepare(model: nn.Module) -> nn.Module:
@@ -218,8 +305,6 @@ def prepare(model: nn.Module) -> nn.Module:
     if plan is None:
         raise ValueError("tpmap.peft: the model is not sharded by tpmap (tpmap.apply or tpmap.from_pretrained "
                          "first; an unsharded model needs plain peft.get_peft_model)")
-    if getattr(base, SEQUENCE_ATTR, None) is not None:
-        raise NotImplementedError("LoRA with sequence parallelism is not supported yet; apply without it")
     seed = torch.randint(0, 2**62, (1,))  # one draw, shared: fresh adapters then need no collective per layer
     group = getattr(base, GROUP_ATTR, None)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -230,15 +315,44 @@ def prepare(model: nn.Module) -> nn.Module:
                 module = module.get_base_layer()
             module.__dict__[SHARD_ATTR] = ms.weight
             module.__dict__[SEED_ATTR] = int(seed)
+    for owner in _param_owners(base, plan):
+        owner.__dict__[SEED_ATTR], owner.__dict__[OWNER_GROUP_ATTR] = int(seed), group
     return model
 
 
-def register(config):
+def _param_owners(base: nn.Module, plan):
+    """The modules holding tensors that Param entries split (MoE experts), each with {tensor name: ParamShard}
+    recorded (PARAM_SHARDS_ATTR), the class of each being what `register` registers ParallelParamWrapper for."""
+    owners = {}
+    for name, shard in plan.params.items():
+        module_name, _, tensor = name.rpartition(".")
+        if shard.dim is None or not module_name:
+            continue
+        module = base.get_submodule(module_name)
+        while isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):  # (nested ParamWrappers)
+            module = module.get_base_layer()
+        if isinstance(module, TP_MODULES):  # a Column's or Row's weight (ParallelLoraLinear's)
+            continue
+        module.__dict__.setdefault(PARAM_SHARDS_ATTR, {})[tensor] = shard
+        owners[id(module)] = module
+    return list(owners.values())
+
+
+def register(config, model: nn.Module | None = None):
     """`config` (a peft LoraConfig) with ParallelLoraLinear registered for tpmap's Column and Row layers and
-    its vocabulary-parallel LM head (a Column over the vocabulary: B's rows padded like the head's)."""
-    config._register_custom_module({**dict.fromkeys((ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead),
-                                                    ParallelLoraLinear),
-                                    VocabParallelEmbedding: ParallelLoraEmbedding})
+    its vocabulary-parallel LM head (a Column over the vocabulary: B's rows padded like the head's). With the
+    sharded `model` (prepared), also ParallelParamWrapper for the classes of the modules holding tensors that
+    Param entries split (MoE experts): PEFT dispatches a custom module first, with the targeted tensor's name."""
+    modules = {**dict.fromkeys((ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead), ParallelLoraLinear),
+               VocabParallelEmbedding: ParallelLoraEmbedding}
+    if model is not None:
+        base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+        plan = getattr(base, PLAN_ATTR, None)
+        if plan is not None:  # only expert containers: a class PEFT has a LoRA layer of its own for keeps it
+            owners = [m for m in _param_owners(base, plan) if not isinstance(m, _PEFT_LAYER_CLASSES)
+                      and any(_inside_experts(shard) for shard in m.__dict__[PARAM_SHARDS_ATTR].values())]
+            modules.update(dict.fromkeys((type(m) for m in owners), ParallelParamWrapper))
+    config._register_custom_module(modules)
     return config
 
 
@@ -255,7 +369,7 @@ def get_peft_model(model: nn.Module, config, adapter_name: str = "default", **kw
         return peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
     prepare(model)
     before = _Before(model)
-    peft_model = peft.get_peft_model(model, register(config), adapter_name=adapter_name, **kwargs)
+    peft_model = peft.get_peft_model(model, register(config, model), adapter_name=adapter_name, **kwargs)
     try:
         _refuse_split_parameters(peft_model, before.names, getattr(model, PLAN_ATTR))
     except BaseException:
@@ -283,16 +397,20 @@ class _Before:
 
 def _refuse_split_parameters(peft_model, names: dict[int, str], plan) -> None:
     """LoRA on a bare parameter (PEFT's ParamWrapper: ``target_parameters``, and the MoE expert tensors PEFT
-    maps names such as gate_proj onto) that a Param entry splits is not supported yet."""
-    split = {name for name, shard in plan.params.items() if shard.dim is not None}
+    maps names such as gate_proj onto) that a Param entry splits other than inside every expert (along the
+    experts, a partial term, a cut ModuleList, a 2-D tensor) is not supported yet."""
+    split = {name: shard for name, shard in plan.params.items() if shard.dim is not None}
     for module in peft_model.modules():
         if isinstance(module, peft.tuners.lora.ParamWrapper):
             name = f"{names.get(id(module.get_base_layer()), '?')}.{module.parameter_name}"
-            if name in split:
+            if name in split and not (isinstance(module, ParallelParamWrapper) and module._shard() is not None):
+                shard = split[name]
                 raise NotImplementedError(
-                    f"tpmap.peft: LoRA on {name}, a tensor the mapping splits with a Param entry (MoE experts), is "
-                    "not supported yet; PEFT targets it through target_parameters, or by mapping a target_modules "
-                    "name such as gate_proj onto the experts: target the attention and dense layers instead (for "
+                    f"tpmap.peft: LoRA on {name} {tuple(shard.full_shape)}, split by a Param entry along dim "
+                    f"{shard.dim}{' (a partial term)' if shard.partial else ''}, is not supported: tpmap.peft splits "
+                    "LoRA on a 3-D expert tensor (experts, out, in) cut inside every expert (dim 1 or 2), not along "
+                    "the experts or another layout; PEFT targets it through target_parameters, or by mapping a "
+                    "target_modules name such as gate_proj onto the experts: leave it out of the targets (for "
                     r"example target_modules=r'.*\.(q_proj|k_proj|v_proj|o_proj)')")
 
 
@@ -301,10 +419,18 @@ def take_over_entry_hooks(peft_model):
     Reduce; Input: a forward argument cut to this rank's heads) gets PEFT's plain LoRA layer, whose term is
     added outside the wrapped module, past its hooks: the wrapper takes tpmap's hooks over, so they see the
     output with the LoRA term (without it, MLA's kv_a_proj_with_mqa adapter's gradient is a partial sum).
+    With sequence parallelism such a layer inside a block sees only this rank's tokens (or, in a module run on
+    the gathered sequence, gets only their part of its output's gradient), as a norm does: its adapter tensors'
+    gradients are summed over the ranks like the norm's (`_sum_over_tokens`).
     Called by get_peft_model and from_pretrained; call it after an ``add_adapter`` that wraps new modules."""
-    for module in peft_model.modules():
+    seq = getattr(peft_model.get_base_model(), SEQUENCE_ATTR, None)
+    for name, module in peft_model.named_modules():
         if not isinstance(module, peft.tuners.lora.LoraLayer) or isinstance(module, ParallelLoraLinear):
             continue
+        if isinstance(module, peft.tuners.lora.ParamWrapper):  # its term is inside the module's own tensor: the
+            continue  # module's hooks see it already (taken over, a merge_and_unload would drop them with the wrapper)
+        if seq is not None:
+            _sum_over_tokens(module, name.removeprefix("base_model.model."), seq)
         base = module.get_base_layer()
         for hooks, flags, register_hook in ((base._forward_pre_hooks, base._forward_pre_hooks_with_kwargs,
                                              module.register_forward_pre_hook),
@@ -319,6 +445,22 @@ def take_over_entry_hooks(peft_model):
     return peft_model
 
 
+def _sum_over_tokens(layer, name: str, seq) -> None:
+    """PEFT's own LoRA layer `name` (a module the mapping keeps whole) inside a sequence-parallel stack: each
+    adapter tensor's gradient summed over the ranks when its stack's backward ran split (SequenceState.summed,
+    the hook of the stack's norms). Once per tensor: a tensor already hooked is marked."""
+    stack = next((i for i, prefix in enumerate(seq.stack_prefixes) if name.startswith(prefix)), None)
+    if stack is None:  # outside the blocks (an embedding, a pooler): replicated, every rank sees every token
+        return
+    containers = (layer.lora_A, layer.lora_B, layer.lora_embedding_A, layer.lora_embedding_B)
+    for container in containers:
+        for value in container.values():
+            p = value.weight if isinstance(value, nn.Module) else value
+            if p.requires_grad and not p.__dict__.get("tpmap_summed_over_tokens"):
+                p.register_hook(functools.partial(seq.summed, stack))
+                p.__dict__["tpmap_summed_over_tokens"] = True
+
+
 def _adapter_tensors(peft_model):
     """(parameter name, adapter, file key, tensor, ParamShard or None) of every LoRA A and B and every tensor of
     a ``modules_to_save`` copy: the file key is PEFT's (the adapter name dropped), the shard says how this rank's
@@ -329,7 +471,8 @@ def _adapter_tensors(peft_model):
         if isinstance(module, peft.tuners.lora.LoraLayer):
             for which, container in (("A", module.lora_A), ("B", module.lora_B)):
                 for adapter, linear in container.items():
-                    shard = module.adapter_shard(which, adapter) if isinstance(module, ParallelLoraLinear) else None
+                    shard = module.adapter_shard(which, adapter) if isinstance(
+                        module, (ParallelLoraLinear, ParallelParamWrapper)) else None
                     yield (f"{module_name}.lora_{which}.{adapter}.weight", adapter,
                            f"{module_name}.lora_{which}.weight", linear.weight, shard)
             for which, params in (("A", module.lora_embedding_A), ("B", module.lora_embedding_B)):
@@ -430,7 +573,7 @@ def from_pretrained(model: nn.Module, adapter_dir, adapter_name: str = "default"
     config.inference_mode = not is_trainable
     prepare(model)
     before = _Before(model)
-    peft_model = peft.PeftModel(model, register(config), adapter_name)
+    peft_model = peft.PeftModel(model, register(config, model), adapter_name)
     try:
         _refuse_split_parameters(peft_model, before.names, getattr(model, PLAN_ATTR))
         _load_slices(peft_model, file, adapter_name)
