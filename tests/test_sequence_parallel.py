@@ -50,7 +50,8 @@ REFUSED = {
     # Qwen3-ASR's audio encoder packs every audio's frames into one (N, H) sequence: raised at the first forward
     **dict.fromkeys(["qwen3_asr", "qwen3_asr_encoder"], "not hidden states (B, T, H)"),
     "funnel": "split by a Param entry outside",  # relative-attention tensors beside the heads; it pools tokens
-    "nemotron_h": "split by a Param entry outside",  # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state)
+    # the Mamba-2 mixer's A_log, D, dt_bias (its scan's state); Nemotron 3.5 Transcribe's language model is one
+    **dict.fromkeys(["nemotron_h", "nemo_speechlm"], "split by a Param entry outside"),
     # NeoMME's exclusive self-attention: alpha [H], one tanh gate per head in a module of its own (applied per
     # token; the engine refuses every Param outside a Column's module, as it cannot tell it from a scan's state)
     "neomme": "split by a Param entry outside",
