@@ -210,3 +210,23 @@ def test_a_quantized_tensor_stored_3d_is_refused_by_name(tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(tpmap.QuantizedCheckpointError, match=r"model\.layers\.0\.mlp\.experts\.weight is a 3-D"):
         tpmap.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(("preset", "warns"), [("W8A8", "8-bit int activations"), ("FP8_DYNAMIC", "8-bit float"),
+                                               ("W4A16", None)])
+def test_dynamic_activation_quantization_is_named_in_a_warning(tmp_path, preset, warns):
+    """tpmap does not quantize the activations a W8A8 / FP8-dynamic checkpoint quantizes on the fly: it says so at
+    load (the logits differ from transformers' CPU load by that error), and stays silent where weights only are."""
+    import warnings
+
+    from tpmap.spec.errors import UnquantizedActivationsWarning
+
+    folder = save(tmp_path / preset, "llama", preset, 32 if preset == "W4A16" else None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tpmap.from_pretrained(folder)
+    ours = [str(w.message) for w in seen if issubclass(w.category, UnquantizedActivationsWarning)]
+    if warns is None:
+        assert ours == []
+    else:
+        assert len(ours) == 1 and warns in ours[0] and "config.json quantizes each Linear's input" in ours[0], ours

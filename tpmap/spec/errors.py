@@ -189,6 +189,12 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+class UnquantizedActivationsWarning(UserWarning):
+    """A checkpoint quantizes each Linear's input on the fly (dynamic W8A8 / FP8 activations), and
+    `tpmap.from_pretrained` computes with the dequantized weights on unquantized inputs: the logits differ from
+    a load that quantizes the activations by that quantization's error (docs/quantization.md)."""
+
+
 class PartialMappingWarning(UserWarning):
     """`tpmap.apply` kept blocks whole on every rank because the mapping declares them so (a `replicated`
     item with a reason): the model is tensor-parallel, but those blocks take full memory and compute."""
