@@ -10,11 +10,13 @@ before anything is changed; tpmap.apply refuses them, listing the world sizes th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from tpmap.engine.plan import ParamShard, Plan
+from tpmap.spec.errors import DivisibilityError
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,24 @@ def cut_inside(shard: ParamShard, block: int) -> int | None:
         return None
     cuts = sorted({edge for pieces in shard.pieces for start, n in pieces for edge in (start, start + n)})
     return next((edge for edge in cuts if edge % block and edge != shard.full_shape[shard.dim]), None)
+
+
+def refuse_cut_groups(groups: dict[str, int], plan: Plan, plan_at: Callable[[int], Plan | None], what: str,
+                      remedy: str = "") -> None:
+    """Weights quantized in groups of input features (their last dim; name -> group length) that a shard boundary
+    of `plan` falls inside: DivisibilityError naming the first, with the world sizes (1-16) whose plans
+    (`plan_at`, None where the mapping refuses the size) cut none. `what`: how the weight is quantized, with
+    "{group}" for the group length ("would be quantized in groups of {group} input features")."""
+    def cut(p: Plan) -> list[tuple[str, int, int]]:
+        return [(n, g, b) for n, g in groups.items() if n in p.params and p.params[n].dim is not None
+                and p.params[n].dim == len(p.params[n].full_shape) - 1
+                and (b := cut_inside(p.params[n], g)) is not None]
+
+    bad = cut(plan)
+    if bad:
+        name, group, boundary = bad[0]
+        fine = [ws for ws in range(1, 17) if (p := plan_at(ws)) is not None and not cut(p)]
+        raise DivisibilityError(
+            f"{name} {what.format(group=group)}, and at world size {plan.tp_size} a shard boundary "
+            f"falls at {boundary}, inside a group ({len(bad)} weight{'s' if len(bad) > 1 else ''} alike). World sizes "
+            f"that work: {', '.join(map(str, fine))}{remedy}")

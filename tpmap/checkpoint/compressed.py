@@ -42,7 +42,6 @@ from tpmap.engine.plan import ParamShard, Plan
 from tpmap.engine.slice_io import Scratch, read_local, read_whole
 from tpmap.spec.errors import (
     CheckpointError,
-    DivisibilityError,
     QuantizedCheckpointError,
     UnquantizedActivationsWarning,
 )
@@ -209,21 +208,9 @@ def refuse_cut_groups(compressed: CompressedWeights, sources: dict, plan: Plan, 
     name -> its checkpoint source (`conversion.match_checkpoint_names`)."""
     group = compressed.group()
     quantized = [n for n, source in sources.items() if any(t.name in compressed.weights for _, t in source.stored)]
-
-    def cut(p: Plan) -> list[tuple[str, int, int]]:
-        return [(n, group, b) for n in quantized if n in p.params and p.params[n].dim is not None
-                and p.params[n].dim == len(p.params[n].full_shape) - 1
-                and (b := quant_blocks.cut_inside(p.params[n], group)) is not None]
-
-    bad = cut(plan)
-    if bad:
-        name, group, boundary = bad[0]
-        fine = [ws for ws in range(1, 17) if (p := plan_at(ws)) is not None and not cut(p)]
-        raise DivisibilityError(
-            f"{name} is stored quantized in groups of {group} input features (compressed-tensors: group_size / "
-            f"packed words), and at world size {plan.tp_size} a shard boundary falls at {boundary}, inside a group "
-            f"({len(bad)} weight{'s' if len(bad) > 1 else ''} alike). World sizes that work: "
-            f"{', '.join(map(str, fine))}")
+    quant_blocks.refuse_cut_groups(dict.fromkeys(quantized, group), plan, plan_at,
+                                   "is stored quantized in groups of {group} input features (compressed-tensors: "
+                                   "group_size / packed words)")
 
 
 def _scheme(folder: Path, config):

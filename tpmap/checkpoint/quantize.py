@@ -31,7 +31,7 @@ from torch import nn
 
 from tpmap.engine import quant_blocks
 from tpmap.engine.plan import ParamShard, Plan
-from tpmap.spec.errors import DivisibilityError, UnsupportedConfigError
+from tpmap.spec.errors import UnsupportedConfigError
 
 Kind = str  # "slice": quantize the slice as it is; "rows": rows span ranks; "tensor": one block, the whole weight
 
@@ -99,7 +99,8 @@ class OnLoadQuantization:
                 # (rank 0's slice stands for every rank's: weights split evenly have one local shape)
                 _check_widened_slice(name, config.get_apply_tensor_subclass(), shard.local_shape(0))
             self.weights.append(_Weight(name, kind))
-        _refuse_cut_groups(groups, plan, plan_at)
+        quant_blocks.refuse_cut_groups(groups, plan, plan_at, "would be quantized in groups of {group} input features",
+                                       "; or quantize with groups that divide each rank's share")
 
     def apply(self, model: nn.Module, group) -> None:
         """Quantize this rank's slice of every chosen weight (after loading; collectives on `group`)."""
@@ -149,23 +150,6 @@ def _kind(shard: ParamShard | None, width: int, block: tuple[int, int]) -> Kind:
     if cols >= width:  # per row
         return "rows" if split and shard.dim == 1 else "slice"
     return "slice"  # per group along the input features (a group cut by a boundary is refused first)
-
-
-def _refuse_cut_groups(groups: dict[str, int], plan: Plan, plan_at: Callable[[int], Plan | None]) -> None:
-    """Weights quantized per group of input features (name -> group length) that a shard boundary would cut."""
-    def cut(p: Plan) -> list[tuple[str, int, int]]:
-        return [(n, g, b) for n, g in groups.items() if n in p.params and p.params[n].dim == 1
-                and (b := quant_blocks.cut_inside(p.params[n], g)) is not None]
-
-    bad = cut(plan)
-    if bad:
-        name, group, boundary = bad[0]
-        fine = [ws for ws in range(1, 17) if (p := plan_at(ws)) is not None and not cut(p)]
-        raise DivisibilityError(
-            f"{name} would be quantized in groups of {group} input features, and at world size {plan.tp_size} a "
-            f"shard boundary falls at {boundary}, inside a group ({len(bad)} weight{'s' if len(bad) > 1 else ''} "
-            f"alike). World sizes that work: {', '.join(map(str, fine))}; or quantize with groups that divide each "
-            "rank's share")
 
 
 def _quantize(local: torch.Tensor, kind: Kind, config, group) -> torch.Tensor:
