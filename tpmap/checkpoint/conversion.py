@@ -161,12 +161,12 @@ class _Lazy:
 class Reader:
     """Reads model tensors from their checkpoint sources: whole, or one rank's slice of them."""
 
-    def __init__(self, model, sources: dict[str, Source], dtype_of, device, progress=None, fp8=None):
+    def __init__(self, model, sources: dict[str, Source], dtype_of, device, progress=None, dequantizer=None):
         self.model, self.sources, self.dtype_of, self.device = model, sources, dtype_of, device
         self.progress = progress
         # a tpmap.checkpoint.fp8.Fp8Scales or compressed.CompressedWeights: the stored weights it has scales for are
         # dequantized by its read()
-        self.fp8 = fp8
+        self.dequantizer = dequantizer
         self.expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # full shapes, before sharding
         self.scratch = Scratch()  # blocks of rows; a tensor on its way to another dtype or device
         self._lazy: dict[tuple, _Lazy | None] = {}
@@ -191,7 +191,7 @@ class Reader:
         if source.converter is None:
             stored = source.stored[0][1]
             if self.scale_of(stored) is not None:
-                return self._done(self.fp8.read(stored, None, 0, dtype, self.device, self.scratch))
+                return self._done(self.dequantizer.read(stored, None, 0, dtype, self.device, self.scratch))
             copy_out = stored.dtype != dtype or self.device.type != "cpu"
             tensor = read_whole(stored.read_into, stored.shape, stored.dtype, self.scratch if copy_out else None)
             return self._done(self._final(tensor, dtype, copy_out))
@@ -205,7 +205,7 @@ class Reader:
         if source.converter is None:
             stored = source.stored[0][1]
             if self.scale_of(stored) is not None:
-                return self._done(self.fp8.read(stored, shard, rank, dtype, self.device, self.scratch))
+                return self._done(self.dequantizer.read(stored, shard, rank, dtype, self.device, self.scratch))
             copy_out = stored.dtype != dtype or self.device.type != "cpu"
             tensor = read_local(stored.read_into, shard, rank, stored.dtype, self.scratch, in_scratch=copy_out)
             return self._done(self._final(tensor, dtype, copy_out))
@@ -241,7 +241,7 @@ class Reader:
         on the CPU; block-quantized weights dequantized first, as transformers does before converting."""
         rows = None if runs is None else ParamShard(name=stored.name, full_shape=stored.shape, dim=dim, pieces=(runs,))
         if self.scale_of(stored) is not None:
-            part = self.fp8.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
+            part = self.dequantizer.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
         elif rows is None:
             part = read_whole(stored.read_into, stored.shape, stored.dtype)
         else:
@@ -250,15 +250,16 @@ class Reader:
 
     def scale_of(self, stored: StoredTensor) -> StoredTensor | None:
         """The block scales of a quantized stored tensor (None: stored as its values)."""
-        return self.fp8.scale_of(stored) if self.fp8 is not None else None
+        return self.dequantizer.scale_of(stored) if self.dequantizer is not None else None
 
     def _converted(self, name: str) -> torch.Tensor:
         """The whole converted tensor: every stored tensor read whole, the converter run on them."""
         if name in self._outputs:
             return self._outputs.pop(name)
         source, dtype = self.sources[name], self.dtype_of(name)
-        parts = [self.fp8.read(t, None, 0, dtype, torch.device("cpu"), self.scratch) if self.scale_of(t) is not None
-                 else read_whole(t.read_into, t.shape, t.dtype).to(dtype) for _, t in source.stored]
+        parts = [self.dequantizer.read(t, None, 0, dtype, torch.device("cpu"), self.scratch)
+                 if self.scale_of(t) is not None else read_whole(t.read_into, t.shape, t.dtype).to(dtype)
+                 for _, t in source.stored]
         out = _convert(source, parts, self.model)
         del parts
         for other, tensor in out.items():

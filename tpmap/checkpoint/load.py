@@ -102,27 +102,28 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     checkpoint = Checkpoint.open(folder, request.variant)
     model, dtype = _meta_model(request, checkpoint, model_class)
     block = block_size(folder, model.config)  # None: not quantized; every quantization but FP8 blocks is refused
-    fp8 = Fp8Scales.take(checkpoint, block) if block is not None else None
+    # the stored weights' scales, to dequantize them as they are read (None: a checkpoint stored unquantized)
+    dequantizer = Fp8Scales.take(checkpoint, block) if block is not None else None
     if compressed.is_compressed(model.config):  # compressed-tensors: paired and checked like FP8's scales
-        fp8 = compressed.CompressedWeights.take(checkpoint, folder, model.config)
+        dequantizer = compressed.CompressedWeights.take(checkpoint, folder, model.config)
     loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
-    if isinstance(fp8, compressed.CompressedWeights):
-        fp8.in_model_dtype = {s.stored[0][1].name for s in sources.values() if s.converter is None}
+    if isinstance(dequantizer, compressed.CompressedWeights):
+        dequantizer.in_model_dtype = {s.stored[0][1].name for s in sources.values() if s.converter is None}
     dtype_of = _dtypes(model, dtype)
 
     progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
-    reader = conversion.Reader(model, sources, dtype_of, device, progress, fp8)
+    reader = conversion.Reader(model, sources, dtype_of, device, progress, dequantizer)
     _tie(model, reader, hf_modeling.logger)
     plan = planner.build_plan(model, loaded, tp_size)
     api.check_loss_parallel(plan, loaded, model, loss_parallel)
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
-    if isinstance(fp8, compressed.CompressedWeights):
-        compressed.refuse_cut_groups(fp8, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
+    if isinstance(dequantizer, compressed.CompressedWeights):
+        compressed.refuse_cut_groups(dequantizer, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
     on_load = None
     if torchao_config is not None:
-        if fp8 is not None:
+        if dequantizer is not None:
             raise UnsupportedConfigError(f"{folder} is stored quantized; quantization_config= quantizes "
                                          "an unquantized checkpoint on load: drop one of the two")
         on_load = quantize.OnLoadQuantization(torchao_config, model, plan, lambda ws: _plan_or_none(model, loaded, ws))
@@ -153,7 +154,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     _agree(failure, tp_size, group, device)
 
     model._weight_conversions = [c for c in conversions if c.was_used()]  # save_pretrained reverts these
-    if fp8 is not None and hasattr(model.config, "quantization_config"):
+    if dequantizer is not None and hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # dequantized, as transformers leaves it: saved, a plain checkpoint
     info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
                              conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
