@@ -7,6 +7,7 @@ a tensor's data; `engine.shard` executes the plan.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -40,6 +41,7 @@ from tpmap.spec.schema import (
     any_layer_selected,
     config_matches,
     entry_applies,
+    layer_index,
     layer_selected,
     release_matches,
 )
@@ -154,6 +156,22 @@ class EntryContext:
     def error(self, cls, message: str, *key, rule: str) -> TpmapError:
         return cls(f"{self.loaded.label(self.index)}: {message}", self.pos(*key), rule)
 
+    def at_layer(self, name: str, views: dict) -> EntryContext:
+        """This entry's context for the module `name`: in a heterogeneous config (transformers' per_layer_config:
+        Step 3.5's sliding layers have their own head count), its expressions read the module's layer's config,
+        `config.per_layer_config[i]` (cached in `views`); elsewhere this context itself."""
+        i = layer_index(name)
+        if i is None or not getattr(self.config, "is_heterogeneous", False):
+            return self
+        if i >= len(self.config.per_layer_config):  # a module past the stack (a multi-token-prediction layer)
+            return self
+        key = (id(self.config), i)
+        if key not in views:
+            views[key] = self.config.per_layer_config[i]
+        layer = copy.copy(self)
+        layer.config = views[key]
+        return layer
+
 
 def attribute_path(config, name: str):
     """The value at a dotted attribute path of a config (vision_config.image_size), or a ConfigAttributeError
@@ -184,6 +202,7 @@ class Planner:
         self.updates: list[AttributeUpdate] = []
         self.reduces: list[str] = []  # modules whose output is summed over the ranks (Reduce)
         self.enters: list[str] = []  # modules whose output's gradient is summed over the ranks (Enter)
+        self.layer_views: dict = {}  # (id(config), layer) -> config.per_layer_config[layer] (EntryContext.at_layer)
         self.inputs: list[InputSlice] = []
         self.seen_attr: dict[tuple[str, str], int] = {}
         self.applied: list[int] = []  # entries whose `when` matches this config
@@ -226,7 +245,7 @@ class Planner:
                     matched = self.select_layers(entry, ctx, matched, config)
                 for rel in matched:
                     before = len(self.errors) if self.errors is not None else 0
-                    kinds[type(entry)](entry, ctx, self.modules[rel], self.prefix + rel)
+                    kinds[type(entry)](entry, ctx.at_layer(rel, self.layer_views), self.modules[rel], self.prefix + rel)
                     if self.errors is not None and len(self.errors) > before:
                         break  # the other modules of this entry would repeat the same problems
             except TpmapError as e:
@@ -692,10 +711,19 @@ def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
         ctx = EntryContext(config, loaded, i, 1)
         if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults):
             continue
+        # a heterogeneous config's per-layer attributes are read in each layer's config (EntryContext.at_layer)
+        layers = [ctx.at_layer(f"layers.{k}", {}) for k in range(len(ctx.config.per_layer_config))] \
+            if getattr(ctx.config, "is_heterogeneous", False) else []
         for key, value in expression_keys(entry):
             for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):
                 try:
                     ctx.lookup(name)
                 except ConfigAttributeError as e:
-                    out.append(ctx.error(ConfigAttributeError, str(e), *key, rule="config-attribute"))
+                    try:
+                        if not layers:
+                            raise
+                        for layer in layers:
+                            layer.lookup(name)
+                    except ConfigAttributeError:
+                        out.append(ctx.error(ConfigAttributeError, str(e), *key, rule="config-attribute"))
     return out

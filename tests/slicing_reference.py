@@ -162,8 +162,10 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     loaded = composed(full, loaded)  # a composing mapping's entries, as the plan numbers them
     entries = loaded.mapping.entries
 
-    def evaluator(index: int):
-        lookup = EntryContext(full.config, loaded, index, ws).lookup
+    views: dict = {}
+
+    def evaluator(index: int, name: str):  # in a heterogeneous config, the expressions read the module's layer's
+        lookup = EntryContext(full.config, loaded, index, ws).at_layer(name, views).lookup
         return lambda text: evaluate_expr(text, lookup, ws, 0)
 
     out: dict[str, Split] = {}
@@ -185,7 +187,7 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
                 dim = 0 if column else 1
             else:  # a weight stored [in, out] (reverse: true)
                 dim = 1 if column else 0
-            weight = Split(dim, _layout(entry, module.weight.shape[dim], evaluator(ms.entry)))
+            weight = Split(dim, _layout(entry, module.weight.shape[dim], evaluator(ms.entry, ms.name)))
             bias = Split(0, weight.layout) if column or isinstance(entry, Norm) else Split(None, None)
         out[ms.weight.name] = weight
         if ms.bias is not None:
@@ -210,7 +212,7 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
             out[t.name] = Split(None, None, partial=True)
             continue
         dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
-        out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0])))
+        out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0], rel)))
     for shard in plan.params.values():  # tied names see the same split
         for alias in shard.aliases:
             out.setdefault(alias, out[shard.name])

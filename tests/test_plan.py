@@ -293,6 +293,19 @@ verify:
         tpmap.plan(model, 2, mapping=source.load_text(selects, "m.yaml"))
 
 
+
+def test_a_heterogeneous_config_is_read_per_layer():
+    """Step 3.5's sliding layers have their own query-head count (transformers' per_layer_config; the global
+    num_attention_heads cannot be read): each module's expressions read its own layer's config, so layer 0 (full,
+    12 heads) and layer 1 (sliding, 24 heads) split q_proj by their own heads and update num_heads per layer."""
+    model = meta_model("step3p5")  # layer_types [full_attention, sliding_attention], 12 / 24 heads of 8, 2 KV
+    plan = tpmap.plan(model, 4)
+    full, sliding = (plan.params[f"layers.{i}.self_attn.q_proj.weight"] for i in (0, 1))
+    assert full.full_shape[0] == 96 and full.pieces[1] == ((24, 24),)  # 3 of 12 heads per rank
+    assert sliding.full_shape[0] == 192 and sliding.pieces[1] == ((48, 48),)  # 6 of 24 heads per rank
+    heads = {u.module: u.values[0] for u in plan.updates if u.attribute == "num_heads"}
+    assert heads == {"layers.0.self_attn": 3, "layers.1.self_attn": 6}, heads
+
 @pytest.mark.skipif("dory" not in transformers.CONFIG_MAPPING, reason="dory needs transformers >= 5.24")
 def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
     """Dory's sub-norms (x / sqrt(sum(x^2) + eps), no weight) over split features: a norm shard with no tensor to

@@ -84,6 +84,14 @@ def test_the_reduced_default_config_keeps_a_sub_configs_per_layer_settings_of_it
     assert [int(k) for k in text.to_dict()["per_layer_config"]] == [5]  # layer 5's setting kept, 11-29 dropped
 
 
+def test_the_reduced_default_config_cuts_every_per_layer_kind_list_of_a_sub_config():
+    """Step 3.7's text_config lists two per-layer kinds (layer_types and mlp_layer_types, 45 entries each, which
+    transformers requires to match num_hidden_layers): the cut shortens both, so the reduced config builds."""
+    from tpmap.meta import reduced_default_config
+
+    text = reduced_default_config("step3p7").text_config
+    assert len(text.layer_types) == len(text.mlp_layer_types) == text.num_hidden_layers < 45
+
 def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
     two missing values, without which lint can only report model-build (and checks no world size)."""
