@@ -68,6 +68,7 @@ REFUSED = {
         "under a Reduce entry"),
     **dict.fromkeys(  # a router inside a block (a whole matrix: does it need all the tokens?)
         ["aria", "aria_text", "cohere2_moe", "ernie4_5_moe", "ernie4_5_vl_moe_text", "flex_olmo", "gpt_oss",
+         "step3p5", "step3p7",
          "granitemoe", "granitemoehybrid",
          "granitemoeshared", "granitemoe_swa", "hy_v3", "minimax", "minimax_m2", "minimax_m3_vl",
          "minimax_m3_vl_text", "mixtral",
