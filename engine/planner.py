@@ -168,8 +168,25 @@ class EntryContext:
         key = (id(self.config), i)
         if key not in views:
             views[key] = self.config.per_layer_config[i]
+        return self._in_config(views[key])
+
+    def layer_contexts(self) -> list[EntryContext]:
+        """This entry's context in each layer's own config of a heterogeneous config; none elsewhere."""
+        if not getattr(self.config, "is_heterogeneous", False):
+            return []
+        return [self._in_config(layer_config) for layer_config in self.config.per_layer_config]
+
+    def gives(self, name: str) -> bool:
+        """Whether an expression here can read `name`."""
+        try:
+            self.lookup(name)
+        except ConfigAttributeError:
+            return False
+        return True
+
+    def _in_config(self, config) -> EntryContext:
         layer = copy.copy(self)
-        layer.config = views[key]
+        layer.config = config
         return layer
 
 
@@ -711,19 +728,14 @@ def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
         ctx = EntryContext(config, loaded, i, 1)
         if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults):
             continue
-        # a heterogeneous config's per-layer attributes are read in each layer's config (EntryContext.at_layer)
-        layers = [ctx.at_layer(f"layers.{k}", {}) for k in range(len(ctx.config.per_layer_config))] \
-            if getattr(ctx.config, "is_heterogeneous", False) else []
+        # a heterogeneous config's per-layer attributes are read in each layer's config (EntryContext.at_layer):
+        # a name every layer's config gives is fine
+        layers = ctx.layer_contexts()
         for key, value in expression_keys(entry):
             for name in sorted(expr.names(value) - set(expr.PER_RANK_NAMES)):
                 try:
                     ctx.lookup(name)
                 except ConfigAttributeError as e:
-                    try:
-                        if not layers:
-                            raise
-                        for layer in layers:
-                            layer.lookup(name)
-                    except ConfigAttributeError:
+                    if not (layers and all(layer.gives(name) for layer in layers)):
                         out.append(ctx.error(ConfigAttributeError, str(e), *key, rule="config-attribute"))
     return out

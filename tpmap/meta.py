@@ -43,10 +43,11 @@ def _fewer_layers(config) -> dict:
         if inner:
             whole = sub.to_dict()
             n = inner.get("num_hidden_layers")
-            if n is not None:  # per-layer kind lists (layer_types, Step 3.5's mlp_layer_types): one per layer kept
+            if n is not None:  # what is given per layer keeps the first n layers' entries:
+                # kind lists (layer_types, Step 3.5's mlp_layer_types), one per layer
                 inner |= {k: v[:n] for k, v in whole.items() if k.endswith("layer_types") and isinstance(v, list)
                           and len(v) == whole.get("num_hidden_layers")}
-            if n is not None:  # per-layer settings keyed by layer index (Gemma 4's per_layer_config)
+                # settings keyed by layer index (Gemma 4's per_layer_config)
                 inner |= {k: _first_layers(v, n) for k, v in whole.items() if _is_per_layer(k, v)}
             overrides[key] = {**whole, **inner}
     return overrides
