@@ -272,7 +272,7 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward.
     Without autograd there is nothing to do. Columns reading one tensor share one copy: `SharedCopy`."""
-    if _world(group) == 1 or not _recorded(x):
+    if not _recorded(x) or _world(group) == 1:
         return x
     return _CopyToTP.apply(x, group)
 
@@ -298,7 +298,7 @@ class SharedCopy:
         self.copies = None
 
     def __call__(self, x: torch.Tensor, group) -> torch.Tensor:
-        if self.copies is None:
+        if self.copies is None or not _recorded(x):  # (without autograd the copy is x itself)
             return copy_to_tp_region(x, group)
         for seen, y in self.copies:
             if seen is x:

@@ -47,6 +47,7 @@ SPINS = 2000  # polls before yielding the CPU
 YIELD_S = 1e-3  # then yield until this long, then sleep in steps
 SLEEP_S = 50e-6
 CHECK_S = 0.01  # how often a long wait checks the peers' pids and the deadline
+MAX_VIEWS = 256  # slot views kept per group (_slots)
 
 
 class ShmUnavailableError(RuntimeError):
@@ -142,6 +143,8 @@ class ShmGroup:
         self._words = memoryview(self._map)[:HEADER].cast("q")  # int64 words of the header
         self._seq = 0
         self._lock = threading.Lock()
+        self._peers = [r for r in range(ws) if r != rank]
+        self._views: dict = {}  # (buffer, nbytes, dtype) -> every rank's slot (_slots)
         # more ranks than cores: a spinning rank takes the core a peer needs to arrive, so yield at once
         self._spins = SPINS if ws <= len(os.sched_getaffinity(0)) else 0
         self._words[self._line(rank) + 1] = os.getpid()
@@ -154,12 +157,20 @@ class ShmGroup:
         start = HEADER + (buffer * self.ws + r) * self.slot_bytes
         return self._bytes[start : start + nbytes].view(dtype)
 
-    def _post(self, seq: int) -> None:
-        self._words[self._line(self.rank)] = seq  # after the copy: x86 keeps the stores in order
+    def _slots(self, buffer: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's slot of `buffer` as `nbytes` of `dtype`; the views are kept (a decode step sends the
+        same few sizes every time: slicing and viewing anew would cost more than the copy)."""
+        key = (buffer, nbytes, dtype)
+        slots = self._views.get(key)
+        if slots is None:
+            if len(self._views) >= MAX_VIEWS:  # many sizes (growing prompts): start over
+                self._views.clear()
+            slots = self._views[key] = [self._slot(buffer, r, nbytes, dtype) for r in range(self.ws)]
+        return slots
 
     def _wait(self, seq: int) -> None:
         words, line = self._words, self._line
-        waiting = [r for r in range(self.ws) if r != self.rank and words[line(r)] < seq]
+        waiting = [r for r in self._peers if words[line(r)] < seq]
         spins, start, checked = 0, 0.0, 0.0
         while waiting:
             waiting = [r for r in waiting if words[line(r)] < seq]
@@ -191,22 +202,24 @@ class ShmGroup:
                                f"collective within {self.timeout:g} s (TPMAP_SHM_TIMEOUT); rank "
                                f"{self.group_ranks[self.rank]} waited for them")
 
-    def _exchange(self, mine: torch.Tensor, read) -> None:
-        """Put `mine` (flat, at most a slot) in this rank's slot, wait for every peer's, then `read(slots)`."""
+    def _exchange(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Put `mine` (flat, at most a slot) in this rank's slot, wait for every peer's: every rank's slot (read
+        them before this rank's next collective, whose post tells the peers this buffer is free again)."""
         self._seq += 1
-        buffer = self._seq % 2
+        seq, buffer = self._seq, self._seq % 2
         nbytes = mine.numel() * mine.element_size()
-        self._slot(buffer, self.rank, nbytes, mine.dtype).copy_(mine)
-        words, line = self._words, self._line
-        words[line(self.rank) + 2 + buffer] = nbytes
-        self._post(self._seq)
-        self._wait(self._seq)
-        sizes = [words[line(r) + 2 + buffer] for r in range(self.ws)]
-        if any(n != nbytes for n in sizes):
+        slots = self._slots(buffer, nbytes, mine.dtype)
+        slots[self.rank].copy_(mine)
+        words, line = self._words, self._line(self.rank)
+        words[line + 2 + buffer] = nbytes
+        words[line] = seq  # the post, after the copy: x86 keeps the stores in order
+        self._wait(seq)
+        if any(words[self._line(r) + 2 + buffer] != nbytes for r in self._peers):
+            sizes = [words[self._line(r) + 2 + buffer] for r in range(self.ws)]
             raise ShmMismatchError(
                 f"ranks {self.group_ranks} posted {sizes} bytes to one shared-memory collective (number "
-                f"{self._seq} of the group): they called different collectives or shapes, out of step")
-        read([self._slot(buffer, r, nbytes, mine.dtype) for r in range(self.ws)])
+                f"{seq} of the group): they called different collectives or shapes, out of step")
+        return slots
 
     def _elements(self, t: torch.Tensor, parts: int = 1) -> int:
         return max(1, self.slot_bytes // (t.element_size() * parts))
@@ -217,13 +230,11 @@ class ShmGroup:
         step = self._elements(t)
         with self._lock:
             for i in range(0, flat.numel(), step):
-                out = flat[i : i + step]
-
-                def read(slots, out=out):
-                    torch.add(slots[0], slots[1], out=out)
-                    for s in slots[2:]:
-                        out.add_(s)
-                self._exchange(out, read)
+                out = flat if step >= flat.numel() else flat[i : i + step]
+                slots = self._exchange(out)
+                torch.add(slots[0], slots[1], out=out)
+                for s in slots[2:]:
+                    out.add_(s)
         return t
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -232,10 +243,8 @@ class ShmGroup:
         step = self._elements(t)
         with self._lock:
             for i in range(0, flat.numel(), step):
-                def read(slots, i=i):
-                    for r, s in enumerate(slots):
-                        rows[r, i : i + s.numel()].copy_(s)
-                self._exchange(flat[i : i + step], read)
+                for r, s in enumerate(self._exchange(flat[i : i + step])):
+                    rows[r, i : i + s.numel()].copy_(s)
         return out
 
     def all_gather_last_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -249,10 +258,8 @@ class ShmGroup:
             return out.copy_(torch.cat(stacked.unbind(0), dim=-1))
         with self._lock:
             for i in range(0, rows.shape[0], step):
-                def read(slots, i=i):
-                    for r, s in enumerate(slots):
-                        dst[i : i + s.numel() // f, r].copy_(s.view(-1, f))
-                self._exchange(rows[i : i + step].reshape(-1), read)
+                for r, s in enumerate(self._exchange(rows[i : i + step].reshape(-1))):
+                    dst[i : i + s.numel() // f, r].copy_(s.view(-1, f))
         return out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -263,14 +270,11 @@ class ShmGroup:
             for i in range(0, dst.numel(), step):
                 part = rows[:, i : i + step].contiguous()  # (ws, k): chunk i of every destination
                 k = part.shape[1]
-
-                def read(slots, i=i, k=k):
-                    mine = [s.view(self.ws, k)[self.rank] for s in slots]
-                    target = dst[i : i + k]
-                    torch.add(mine[0], mine[1], out=target)
-                    for s in mine[2:]:
-                        target.add_(s)
-                self._exchange(part.view(-1), read)
+                mine = [s.view(self.ws, k)[self.rank] for s in self._exchange(part.view(-1))]
+                target = dst[i : i + k]
+                torch.add(mine[0], mine[1], out=target)
+                for s in mine[2:]:
+                    target.add_(s)
         return out
 
 

@@ -196,6 +196,44 @@ def test_ranks_with_different_input_features_raise(ranks):
         assert "input_features" in r["message"], r
 
 
+def test_the_input_fingerprint_sees_every_change_and_no_nan():
+    """The per-forward check compares 5 numbers; whatever differs between two ranks' arguments must change
+    them (a value, a position, which name holds which tensor, dtype, shape), and a NaN input must compare
+    equal to itself (NaN != NaN would read as a mismatch on every rank)."""
+    from tpmap.guards import _fingerprint
+
+    def fp(**tensors):
+        return _fingerprint(sorted(tensors.items()), None).tolist()
+
+    ids = torch.arange(12).view(2, 6)
+    x = torch.randn(3, 4)
+    base = fp(input_ids=ids, inputs_embeds=x)
+    assert base == fp(input_ids=ids.clone(), inputs_embeds=x.clone())
+    changed = {
+        "one value": fp(input_ids=ids.index_put((torch.tensor(1), torch.tensor(5)), torch.tensor(99)),
+                        inputs_embeds=x),
+        "order (same sum)": fp(input_ids=ids.flip(1), inputs_embeds=x),
+        "a float's last bit": fp(input_ids=ids, inputs_embeds=torch.nextafter(x, x + 1)),
+        "names swapped": fp(input_ids=x, inputs_embeds=ids),
+        "dtype": fp(input_ids=ids.int(), inputs_embeds=x),
+        "shape": fp(input_ids=ids.view(3, 4), inputs_embeds=x),
+        "a transposed view": fp(input_ids=ids, inputs_embeds=x.t()),
+    }
+    for what, other in changed.items():
+        assert other != base, what
+    assert fp(a=x.t()) == fp(a=x.t().contiguous())  # the values, not the memory layout
+    assert fp(a=torch.ones(3, dtype=torch.bfloat16)) != fp(a=torch.tensor([1.0, 1.0, 2.0], dtype=torch.bfloat16))
+    nan = torch.tensor([1.0, float("nan")])
+    assert fp(a=nan) == fp(a=nan.clone()), "a NaN input reads as a mismatch"
+
+
+    class Wrapped(torch.Tensor):  # a tensor subclass (as a GPU tensor) goes through the float64 sums instead
+        pass
+
+    assert fp(a=nan.as_subclass(Wrapped)) == fp(a=nan.clone().as_subclass(Wrapped)), "NaN sums read as a mismatch"
+    assert fp(a=x.as_subclass(Wrapped)) != fp(a=x.flip(0).as_subclass(Wrapped))
+
+
 def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
     """q/k/v share one input all-reduce in backward, and so do gate/up: 2 per layer, +1 for the LM head."""
     for r in ranks(2).run(rank_cases.backward_all_reduce_count, "llama", "LlamaForCausalLM"):

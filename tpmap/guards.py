@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import zlib
 
 import torch
@@ -47,19 +48,33 @@ def _sums(t: torch.Tensor) -> tuple[float, float]:
     return float(flat @ positions), float(flat.sum())
 
 
+def _digest(t: torch.Tensor) -> tuple[float, float]:
+    """Two numbers that change when a value of `t` does. A plain CPU tensor (a forward's token ids): the CRC-32
+    of its bytes, exact, and its size -- one pass in C, where the float64 sums take a conversion, a matmul and
+    a reduction, which is most of the check's cost on a decode-sized forward. Elsewhere `_sums`, computed on
+    the tensor's device (no copy to the host)."""
+    if t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided \
+            and not t.is_quantized:
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        flat = t.detach().reshape(-1)  # (a view of a contiguous tensor, else a copy)
+        return float(zlib.crc32(flat.view(torch.uint8).numpy())), float(flat.numel())
+    return _sums(t)
+
+
 def _fingerprint(tensors: list[tuple[str, torch.Tensor]], rng_state: torch.Tensor | None) -> torch.Tensor:
     """Five float64 numbers for all tensor arguments together (fixed size, so one all-gather serves any
-    call): how many; their names and shapes; a position- and name-weighted sum of their values; a
-    plain sum; and the default RNG state (training mode: ranks must draw the same dropout masks)."""
+    call): how many; their names and shapes; two name-weighted digests of their values (`_digest`); and the
+    default RNG state (training mode: ranks must draw the same dropout masks)."""
     names = sum(_code(f"{n}:{tuple(t.shape)}:{t.dtype}") for n, t in tensors)
     weighted = plain = 0.0
     for name, t in tensors:
-        by_position, total = _sums(t)
-        weighted += by_position * (1.0 + _code(name) / 2**32)
-        plain += total
-    rng = _code(rng_state.numpy().tobytes().hex()) if rng_state is not None else 0.0
-    row = torch.tensor([len(tensors), names, weighted, plain, rng], dtype=torch.float64)
-    return torch.nan_to_num(row)  # a NaN input must not read as a mismatch
+        first, second = _digest(t)
+        weighted += first * (1.0 + _code(name) / 2**32)
+        plain += second
+    rng = float(zlib.crc32(rng_state.numpy())) if rng_state is not None else 0.0
+    row = [0.0 if math.isnan(v) else v for v in (len(tensors), names, weighted, plain, rng)]  # NaN != NaN:
+    return torch.tensor(row, dtype=torch.float64)  # a NaN input must not read as a mismatch
 
 
 def _positional_names(function) -> list[str]:
@@ -71,8 +86,8 @@ def _compare_across_ranks(tensors, rng_state, group) -> None:
     """One all-gather of the 5-number fingerprint; on a mismatch, name what differs and raise."""
     device = tensors[0][1].device if tensors else torch.device("cpu")
     mine = _fingerprint(tensors, rng_state).to(device)
-    everyone = list(all_gather_stacked(mine, group))  # shared memory where the model's collectives use it
-    bad = [r for r, other in enumerate(everyone) if not torch.equal(everyone[0], other)]
+    everyone = all_gather_stacked(mine, group).tolist()  # shared memory where the model's collectives use it
+    bad = [r for r, other in enumerate(everyone) if other != everyone[0]]
     if bad:
         raise InputMismatchError(_mismatch_message(tensors, everyone, bad, group))
 
