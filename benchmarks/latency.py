@@ -7,9 +7,9 @@ Every model is built from a config (no download), saved once with `save_pretrain
 by every rank three ways from that one folder: unsharded (`Cls.from_pretrained`), tpmap
 (`tpmap.from_pretrained`) and HF native TP (`from_pretrained(..., distributed_config=DistributedConfig(
 tp_size=ws))`, where the config class ships a `base_model_tp_plan`; the `bench` extra installs the
-`accelerate` it needs). The variants are timed *interleaved*, round by round, so the machine's noise hits
-them alike; every timing is the slowest rank's (a barrier before, the max over ranks after), reported as the
-median and the 10th-90th percentile spread over the rounds.
+`accelerate` it needs). The variants are timed *interleaved*, round by round (in an order that rotates each
+round), so the machine's noise hits them alike; every timing is the slowest rank's (a barrier before, the max
+over ranks after), reported as the median and the 10th-90th percentile spread over the rounds.
 
 * forward, eval, no grad, batch shapes (1, 8) and (4, 128);
 * greedy generate: prompt 128 tokens, 64 new, batch 1, dynamic and static cache: new tokens per second,
@@ -54,6 +54,15 @@ def percentile(values: list[float], q: float) -> float:
 def summary(seconds: list[float]) -> dict:
     return {"median": statistics.median(seconds), "p10": percentile(seconds, 0.1), "p90": percentile(seconds, 0.9),
             "rounds": len(seconds)}
+
+
+def rotated(variants: dict, i: int) -> list:
+    """Round i's order: the variants rotated by i, so that none always runs right after the same one (the
+    variant after the unsharded model, whose ranks never synchronise, would always start from a wider skew at
+    the barrier, and every variant inherits the caches its predecessor left)."""
+    items = list(variants.items())
+    k = i % len(items)
+    return items[k:] + items[:k]
 
 
 class Timer:
@@ -172,8 +181,8 @@ def bench_model(name: str, args, folder: str, device) -> dict:
     with torch.no_grad():
         for batch, seq in SHAPES:
             ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
-            for _ in range(warmup + args.runs):
-                for key, model in variants.items():
+            for i in range(warmup + args.runs):
+                for key, model in rotated(variants, i):
                     timer(f"forward {batch}x{seq} {key}", lambda model=model, ids=ids: model(input_ids=ids))
     eager = {k: m for k, m in variants.items() if k != "tpmap_compiled"}  # generate: eager
     causal = cls_name.endswith(("ForCausalLM", "LMHeadModel")) and "generate" not in args.skip
@@ -185,8 +194,8 @@ def bench_model(name: str, args, folder: str, device) -> dict:
                           pad_token_id=0, attention_mask=torch.ones_like(prompt))
             if cache == "static":
                 kwargs["cache_implementation"] = "static"
-            for _ in range(1 + args.generate_runs):
-                for key, model in eager.items():
+            for i in range(1 + args.generate_runs):
+                for key, model in rotated(eager, i):
                     out = timer(f"generate {cache} {key}", lambda model=model, kw=kwargs: model.generate(prompt, **kw))
                     tokens[(cache, key)] = out[0, prompt.shape[1]:].tolist()
         result["same_tokens"] = {cache: len({tuple(tokens[(cache, k)]) for k in eager}) == 1
@@ -206,8 +215,8 @@ def bench_model(name: str, args, folder: str, device) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(1 + args.train_runs if "train" not in args.skip else 0):
-        for key, model in eager.items():
+    for i in range(1 + args.train_runs if "train" not in args.skip else 0):
+        for key, model in rotated(eager, i):
             timer(f"train {batch}x{seq} {key}", lambda model=model, opt=optimizers[key]: step(model, opt))
     seconds = {key: summary(timer.rounds(key, warmup if key.startswith("forward") else 1))
                for key in sorted(timer.times)}  # warm-up rounds dropped
