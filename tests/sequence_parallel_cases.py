@@ -27,12 +27,14 @@ def _models(ref: str, class_name: str, dtype: torch.dtype = torch.float32):
     return full, tp, sp
 
 
-def _block_input_tokens(model) -> list:
-    """Hooks that record the sequence length each block's hidden-state input has (the first argument)."""
+def _block_input_tokens(model, on=None) -> list:
+    """Hooks that record the sequence length each block's hidden-state input has (the first argument): on the
+    blocks of `model` (sharded by tpmap), or on the same-named modules of `on` (its unsharded twin)."""
     from tpmap.engine.blocks import block_prefixes
 
     plan = model.tpmap_plan
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
+    hooked = (on.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else on) if on is not None else base
     seen: list = []
     stacks: dict[str, list[str]] = {}
     columns = [m.name for m in plan.modules if m.style == "column"]
@@ -41,11 +43,40 @@ def _block_input_tokens(model) -> list:
             stacks.setdefault(b.rpartition(".")[0], []).append(b)
     for blocks in stacks.values():
         name = (blocks[1:2] or blocks[:1])[0]  # block 1: between two blocks (ALBERT: its one, shared block)
-        block = base.get_submodule(name)
-        block.register_forward_pre_hook(
+        block = hooked.get_submodule(name)
+        handle = block.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(
                 (args[0] if args else next(iter(kwargs.values()))).shape[1]), with_kwargs=True)
+        if on is not None:
+            _HANDLES.append(handle)
     return seen
+
+
+_HANDLES: list = []  # the hooks _block_input_tokens put on an unsharded twin, removed after its measurement
+
+
+def _length_the_blocks_split(full, tp, declared: dict, seq: int, dtype: torch.dtype) -> int:
+    """`seq`, or the next text length (at most ws - 1 more) at which a stack's blocks hold a multiple of ws
+    tokens in their hidden states, measured on the unsharded model: a model that puts image features before the
+    text (GIT: 16 patches and a CLS) sees more tokens than `seq`, and a split needs a length every rank divides."""
+    ws = dist.get_world_size()
+    for length in range(seq, seq + ws):
+        try:
+            inputs = verify.example_inputs(full, declared, seq=length)
+        except tpmap.MissingInputError as e:
+            if "token runs" not in str(e):
+                raise
+            continue
+        seen = _block_input_tokens(tp, on=full)
+        try:
+            with torch.no_grad():
+                full(**in_dtype(inputs, dtype))
+        finally:
+            while _HANDLES:
+                _HANDLES.pop().remove()
+        if any(t % ws == 0 for t in seen):  # a stack that splits (an image tower's own length is fixed)
+            return length
+    return seq
 
 
 def _room_for_token_runs(model, declared: dict, seq: int) -> int:
@@ -101,7 +132,7 @@ def grad_case(ref: str, class_name: str, dtype: torch.dtype = torch.float32, seq
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         inputs, has_labels = {"pixel_values": pixels, "interpolate_pos_encoding": True}, False
     else:  # Whisper's input_features, a multimodal model's image inputs
-        seq = _room_for_token_runs(full, declared, seq)
+        seq = _length_the_blocks_split(full, tp, declared, _room_for_token_runs(full, declared, seq), dtype)
         inputs = verify.example_inputs(full, declared, seq=seq)
         if "decoder_input_ids" in inputs:  # seq // 2 + 1 by default: the decoder's tokens split too
             gen = torch.Generator().manual_seed(2)
