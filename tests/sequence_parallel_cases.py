@@ -56,9 +56,9 @@ _HANDLES: list = []  # the hooks _block_input_tokens put on an unsharded twin, r
 
 
 def _length_the_blocks_split(full, tp, declared: dict, seq: int, dtype: torch.dtype) -> int:
-    """`seq`, or the next text length (at most ws - 1 more) at which a stack's blocks hold a multiple of ws
-    tokens in their hidden states, measured on the unsharded model: a model that puts image features before the
-    text (GIT: 16 patches and a CLS) sees more tokens than `seq`, and a split needs a length every rank divides."""
+    """`seq` where some stack's blocks see `seq` tokens; else (a model that puts image features before the text,
+    GIT: 16 patches and a CLS) the first text length from `seq` to seq + ws - 1 at which a stack's blocks hold a
+    multiple of ws tokens, measured on the unsharded model, so that the case exercises the split."""
     ws = dist.get_world_size()
     for length in range(seq, seq + ws):
         try:
@@ -74,6 +74,8 @@ def _length_the_blocks_split(full, tp, declared: dict, seq: int, dtype: torch.dt
         finally:
             while _HANDLES:
                 _HANDLES.pop().remove()
+        if length == seq and seq in seen:  # the blocks see the text as asked: a length that does not divide
+            return seq  # is the caller's choice (the case that runs as plain TP)
         if any(t % ws == 0 for t in seen):  # a stack that splits (an image tower's own length is fixed)
             return length
     return seq
