@@ -36,6 +36,7 @@ import platform
 import socket
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,9 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie is dead, only not yet reaped
 
 
-_SET_TIMEOUTS: dict = {}  # process group -> seconds, from set_timeout
+# Keyed weakly on the process group: a strong key would keep a destroyed group (and its gloo threads) alive
+# until interpreter shutdown, where tearing them down can abort the process.
+_SET_TIMEOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> seconds, from set_timeout
 
 
 def set_timeout(seconds: float, group=None) -> None:
@@ -278,7 +281,7 @@ class ShmGroup:
         return out
 
 
-_GROUPS: dict = {}  # process group -> ShmGroup | None, decided at the group's first use
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> ShmGroup | None (first use)
 _HANDLES: list[ShmGroup] = []  # handle -> group, for the custom ops
 
 

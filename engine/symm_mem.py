@@ -28,6 +28,7 @@ in one kernel launch -- the technique of vLLM's and torchtitan's small-message a
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,7 @@ class SymmGroup:
         return t
 
 
-_GROUPS: dict[object, SymmGroup] = {}  # keyed by the group object itself, as engine.shm's
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> SymmGroup, weakly as engine.shm's
 
 
 def for_group(t: torch.Tensor, group) -> SymmGroup | None:

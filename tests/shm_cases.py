@@ -108,6 +108,27 @@ def groups(rank: int, ws: int) -> dict:
     return {"handles": handles, "bad": bad, "world": whole.tolist()}
 
 
+def released(rank: int, ws: int) -> dict:
+    """A group that took the shared-memory path (and a set_timeout) is freed by destroy_process_group: tpmap's
+    tables must not keep it alive until interpreter shutdown, where its gloo threads' teardown can abort."""
+    import gc
+    import weakref
+
+    from tpmap.engine import collectives as C
+    from tpmap.engine import shm
+
+    group = dist.new_group(list(range(ws)))
+    shm.set_timeout(30.0, group)
+    total = C._all_reduce(torch.ones(8), group)
+    ref, chosen = weakref.ref(group), shm.chosen(group) is not None
+    del group
+    dist.destroy_process_group()
+    gc.collect()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['TPMAP_TEST_PORT2']}", rank=rank,
+                            world_size=ws)  # main's finally destroys a group
+    return {"chosen": chosen, "total": total.tolist(), "alive": ref() is not None}
+
+
 def _timed_all_reduce() -> dict:
     """One all-reduce a peer will not join: how long until ShmPeerError, and its message (None: no error)."""
     from tpmap.engine import collectives as C

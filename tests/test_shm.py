@@ -85,6 +85,12 @@ def test_a_hanging_peer_is_named_after_the_timeout():
     assert 2 <= result["seconds"] < 10
 
 
+def test_a_destroyed_group_is_not_kept_alive():
+    results = _ok(run("released", 2, {"TPMAP_TEST_PORT2": str(_port())}))
+    assert all(r["chosen"] and r["total"] == [2.0] * 8 for r in results), results
+    assert not any(r["alive"] for r in results), results
+
+
 def test_ranks_out_of_step_fail_on_every_rank():
     out = run("out_of_step", 2)
     for status, message in out.values():
