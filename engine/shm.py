@@ -283,6 +283,7 @@ class ShmGroup:
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> ShmGroup | None (first use)
 _HANDLES: list[ShmGroup] = []  # handle -> group, for the custom ops
+_UNDECIDED = object()
 
 
 def _group_key(group):
@@ -298,9 +299,9 @@ def for_group(group) -> ShmGroup | None:
     """The group's ShmGroup, deciding on first use (collective over the group: every rank of it must call
     this at the same point, as it does at its first collective), or None where gloo stays the path."""
     key = _group_key(group)
-    if key in _GROUPS:
-        return _GROUPS[key]
-    _GROUPS[key] = shm = _setup(group)
+    shm = _GROUPS.get(key, _UNDECIDED)  # one lookup: a call on the hot path
+    if shm is _UNDECIDED:
+        _GROUPS[key] = shm = _setup(group)
     return shm
 
 
