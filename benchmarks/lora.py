@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from latency import MODELS, QUICK, Timer, summary  # (the benchmarks folder is not a package)
+from latency import MODELS, QUICK, Timer, rotated, summary  # (the benchmarks folder is not a package)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -102,8 +102,8 @@ def main() -> None:
 
     timer = Timer(torch.device("cpu"))
     warmup = 2
-    for _ in range(warmup + args.runs):
-        for key in variants:
+    for i in range(warmup + args.runs):
+        for key, _ in rotated(variants, i):
             timer(key, lambda key=key: step(key))
     memory = {k: persistent_bytes(m, optimizers[k]) for k, m in variants.items()}
     rows = {k: summary(timer.rounds(k, warmup)) for k in variants}

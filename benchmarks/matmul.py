@@ -18,8 +18,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import sys
 import time
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from latency import rotated  # (the benchmarks folder is not a package)
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 LLAMA = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
@@ -66,8 +71,8 @@ def main() -> None:
     ids = torch.randint(3, LLAMA["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     totals: dict[str, list[float]] = defaultdict(list)
     by_shape: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for key, model in variants.items():
+    for i in range(args.rounds):
+        for key, model in rotated(variants, i):
             with torch.no_grad():
                 model(input_ids=ids)  # warm-up
             ops = profile_matmuls(model, ids, args.runs)

@@ -23,7 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from latency import rotated  # (the benchmarks folder is not a package)
 
 BUCKETS = [
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
@@ -109,7 +113,7 @@ def main() -> None:
     parts: dict[str, list] = {k: [] for k in variants}
     with torch.no_grad():
         for i in range(3 + args.runs):
-            for key, model in variants.items():
+            for key, model in rotated(variants, i):  # the order rotates: no variant always follows the same one
                 dist.barrier()
                 wall, by_bucket = profile_once(lambda model=model: model(input_ids=ids))
                 if i >= 3:
