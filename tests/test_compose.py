@@ -277,6 +277,54 @@ def test_grid_inputs_need_two_sizes_and_a_shape_that_holds_the_grid():
         verify.example_inputs(model, loaded.mapping.verify[0].inputs)
 
 
+def test_float_inputs_with_a_grid_lead_every_patch_with_its_row_and_column():
+    """`kind: float` with `grid: [width, height]` gives flattened patches whose first two features are patch i's row
+    i // width + 1 and column i % width + 1 (from 1, as Pix2Struct's processor writes them), the rest standard normal:
+    exactly the indices Pix2Struct's encoder looks up in its row and column tables (a plain float input gives
+    negative indices there, and the unsharded model fails)."""
+    model = verify.build_model("pix2struct", 0, "Pix2StructForConditionalGeneration")
+    inputs = verify.case_inputs("pix2struct", 0, model)
+    patches = inputs["flattened_patches"]
+    assert tuple(patches.shape) == (2, 16, 2 + 48) and patches.dtype == torch.float32
+    expected = [[row, col] for row in range(1, 5) for col in range(1, 5)]  # row by row, 4 patches each
+    assert patches[0, :, :2].tolist() == expected and patches[1, :, :2].tolist() == expected
+    features = patches[..., 2:]
+    assert (features != features.round()).all() and 0.8 < features.std() < 1.2  # random, not coordinates
+    seen = {}
+    embeddings = model.encoder.embeddings
+    embeddings.row_embedder.register_forward_hook(lambda m, a, out: seen.update(row=a[0]))
+    embeddings.column_embedder.register_forward_hook(lambda m, a, out: seen.update(col=a[0]))
+    with torch.no_grad():
+        model(**inputs)
+    assert seen["row"][0].tolist() == [r for r, _ in expected] and seen["col"][1].tolist() == [c for _, c in expected]
+    inputs["flattened_patches"] = torch.randn(patches.shape)  # what a float input without a grid would be
+    with pytest.raises(IndexError), torch.no_grad():
+        model(**inputs)
+
+
+def test_float_inputs_take_a_grid_of_two_sizes_with_a_shape_that_holds_its_patches(tmp_path):
+    from tpmap.lint import lint_file
+
+    base = mapping_text("pix2struct")
+    declared = "kind: float, grid: [4, 4]"
+    with pytest.raises(MappingErrors, match=r"kind: grid needs `grid: \[width, height\]`.* kind: float"):
+        source.load_text(replaced(base, declared, "kind: float, grid: [16]", once=True), "x.yaml")
+    with pytest.raises(MappingErrors, match="this input's kind is 'mask'"):
+        source.load_text(replaced(base, declared, "kind: mask, grid: [4, 4]", once=True), "x.yaml")
+    model = verify.build_model("pix2struct", 0, "Pix2StructForConditionalGeneration")
+    loaded = source.load_text(replaced(base, declared, "kind: float, grid: [4, 2]", once=True), "x.yaml")
+    with pytest.raises(MissingInputError, match=r"a 4 x 2 grid has 8 patches, each led by its \(row, column\), so its "
+                                                r"last two dimensions are \[8, 2 \+ features\], not \[16, 50\]"):
+        verify.example_inputs(model, loaded.mapping.verify[0].inputs)
+    # lint evaluates the grid's expressions: a misspelt attribute is named where it stands
+    text = replaced(base, declared, "kind: float, grid: [vision_config.grid_width, 4]", once=True)
+    found = lint_file(str(write_mapping(tmp_path, "pix2struct", text)))
+    assert [d.rule for d in found] == ["config-attribute"]
+    assert "flattened_patches" in found[0].message and "grid_width" in found[0].message
+    text = replaced(base, declared, "kind: float, grid: [2 * 2, 4]", once=True)
+    assert lint_file(str(write_mapping(tmp_path, "ok", text))) == []
+
+
 def test_a_model_without_input_ids_needs_its_inputs_declared():
     """A tower whose forward takes no input_ids (Gemma 4's vision model: main_input_name left at input_ids) gets
     no derived token ids: with nothing declared, the error says to declare its inputs."""

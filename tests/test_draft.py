@@ -81,6 +81,8 @@ DRAFTER_REFUSES = {"squeezebert": "no Column/Row pair",  # grouped convolutions 
                    "shieldgemma2": "no model class of transformers is registered for model_type 'shieldgemma2'",
                    # the same: GotOcr2ForConditionalGeneration is registered for it as image-text-to-text only
                    "pp_chart2table": "no model class of transformers is registered for model_type 'pp_chart2table'",
+                   # the same: Pix2StructForConditionalGeneration is registered as image-text-to-text only
+                   "pix2struct": "no model class of transformers is registered for model_type 'pix2struct'",
                    # vision-language configs whose text settings live in text_config: the causal-LM class the
                    # drafter builds reads config.vocab_size at the top level
                    "qwen3_5": "building Qwen3_5ForCausalLM from the tiny config failed",

@@ -152,6 +152,16 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             inputs[name] = ids(name, shape, mask, runs)
         elif spec.kind == "float":
             inputs[name] = torch.randn(shape, generator=gen)
+            if spec.grid:  # flattened patches led by their (row, column) on the grid, counted from 1
+                width, height = (expr.evaluate(v, lookup) for v in spec.grid)
+                if len(shape) < 2 or shape[-2] != width * height or shape[-1] < 3:
+                    raise MissingInputError(
+                        f"{name}: a {width} x {height} grid has {width * height} patches, each led by its (row, "
+                        f"column), so its last two dimensions are [{width * height}, 2 + features], not "
+                        f"{list(shape[-2:])}")
+                patch = torch.arange(width * height)
+                inputs[name][..., 0] = (patch // width + 1).float()
+                inputs[name][..., 1] = (patch % width + 1).float()
         elif spec.kind == "values":
             row = [expr.evaluate(v, lookup) for v in spec.values]
             if shape[-1] != len(row):

@@ -491,7 +491,8 @@ class ExampleInput(_Strict):
         "ids", description="ids: random token ids in [3, vocab_size); float: standard normal values; mask: ones, "
         "with the last row's last 3 positions 0 (right padding); values: integers given by `values` (sizes a "
         "model reads, such as an image's height and width); grid: the (x, y) coordinates of the cells of a "
-        "`grid` [width, height], row by row (patch positions on an image); bool: True everywhere (a mask of "
+        "`grid` [width, height], row by row (patch positions on an image), or float patches led by their row and "
+        "column when a float input has a `grid`; bool: True everywhere (a mask of "
         "real entries a model indexes with, such as the tiles of an image)"
     )
     tokens: list[TokenRun] = Field(
@@ -506,7 +507,11 @@ class ExampleInput(_Strict):
     grid: list[CheckedExpr] = Field(
         [], description="(grid) [width, height], integer expressions: the input's last two dimensions are "
         "width * height cells and their (x, y), x = i % width and y = i // width for cell i, in every row, e.g. "
-        "image_position_ids {shape: [batch, 16, 2], kind: grid, grid: [4, 4]}"
+        "image_position_ids {shape: [batch, 16, 2], kind: grid, grid: [4, 4]}. (float) the input is flattened "
+        "patches [..., width * height, 2 + features] led by their position: patch i's first two entries are its "
+        "row i // width + 1 and column i % width + 1 (from 1, 0 marking a padding patch, as the processors that "
+        "write such patches do), the rest standard normal, e.g. flattened_patches {shape: [batch, 16, 2 + 48], "
+        "kind: float, grid: [4, 4]}"
     )
 
     @model_validator(mode="after")
@@ -516,9 +521,10 @@ class ExampleInput(_Strict):
         if (self.kind == "values") != bool(self.values):
             raise ValueError("kind: values needs `values` (one expression per element of the last dimension), "
                              f"and only it takes them; this input's kind is {self.kind!r}")
-        if (self.kind == "grid") != bool(self.grid) or (self.grid and len(self.grid) != 2):
-            raise ValueError("kind: grid needs `grid: [width, height]` (two expressions), and only it takes one; "
-                             f"this input's kind is {self.kind!r}, its grid {len(self.grid)} values")
+        if ((self.kind == "grid") != bool(self.grid) and self.kind != "float") or (self.grid and len(self.grid) != 2):
+            raise ValueError("kind: grid needs `grid: [width, height]` (two expressions), and only it and kind: float "
+                             "(patches whose first two features are their row and column) take one; this input's "
+                             f"kind is {self.kind!r}, its grid {len(self.grid)} values")
         return self
 
 
