@@ -203,7 +203,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from tpmap.spec import source
+    from tpmap.language import source
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

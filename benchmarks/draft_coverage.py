@@ -43,9 +43,9 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
     """(status, detail): 'verified', 'fails verify', 'does not load' or 'no draft' (with the drafter's error,
     also when it crashed rather than refused)."""
     from tpmap import draft, verify
-    from tpmap.launch import RankFailure
-    from tpmap.spec import source
-    from tpmap.spec.errors import TpmapError
+    from tpmap.language import source
+    from tpmap.language.errors import TpmapError
+    from tpmap.parallelize.rank_processes import RankFailure
 
     try:
         text = draft.draft(model_type)
@@ -56,7 +56,7 @@ def one(model_type: str, folder: Path, pool, world_size: int, timeout: float) ->
     path = folder / f"{model_type}.yaml"
     path.write_text(text, encoding="utf-8")
     try:
-        mapping = source.load_file(path).mapping
+        mapping = source.read_file(path).mapping
     except TpmapError as e:
         return "does not load", str(e).splitlines()[0]
     spec = mapping.verify[0]
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="also write the results as a Markdown table here")
     args = parser.parse_args(argv)
 
-    from tpmap.launch import RankPool
+    from tpmap.parallelize.rank_processes import RankPool
 
     types = args.model_types or (auto_model_types() if args.auto else shipped_model_types())
     rows = []

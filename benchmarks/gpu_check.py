@@ -155,7 +155,7 @@ def rank_symm_mem(sizes_kib: list[int]) -> dict:
 
 
 def check_symm_mem(world_sizes: list[int]) -> int:
-    from tpmap.launch import RankFailure, Ranks, Setup, drain
+    from tpmap.parallelize.rank_processes import RankFailure, Ranks, Setup, drain
 
     failed = checked = 0
     for ws in world_sizes:
@@ -198,7 +198,7 @@ def check_symm_mem(world_sizes: list[int]) -> int:
 
 
 def main() -> int:
-    from tpmap.launch import RankFailure, RankPool
+    from tpmap.parallelize.rank_processes import RankFailure, RankPool
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])

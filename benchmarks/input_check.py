@@ -27,7 +27,7 @@ def measure(runs: int) -> dict:
     from transformers import AutoConfig, DynamicCache, LlamaForCausalLM
 
     import tpmap
-    from tpmap.guards import input_check
+    from tpmap.input_check import input_check
 
     torch.manual_seed(0)
     full = LlamaForCausalLM(AutoConfig.for_model("llama", **LLAMA_160M)).eval()
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from tpmap.launch import RankPool
+    from tpmap.parallelize.rank_processes import RankPool
 
     pool = RankPool(2)
     try:

@@ -18,10 +18,10 @@ import transformers  # noqa: E402
 import transformers.modeling_utils  # noqa: E402  (transformers imports it lazily, ~1 s, once)
 from transformers import AutoConfig  # noqa: E402,F401
 
+from tpmap.language import source  # noqa: E402
+from tpmap.language.errors import MappingErrors  # noqa: E402
 from tpmap.lint import collect_files  # noqa: E402
 from tpmap.lint.rules import structural  # noqa: E402
-from tpmap.spec import source  # noqa: E402
-from tpmap.spec.errors import MappingErrors  # noqa: E402
 
 IMPORTS = time.perf_counter() - t0
 

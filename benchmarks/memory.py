@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
 import tpmap
-from tpmap.spec.source import for_model_type
+from tpmap.language.source import for_model_type
 
 # Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocabulary 128256)
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from tpmap.launch import RankPool
+    from tpmap.parallelize.rank_processes import RankPool
 
     print(f"Llama-shaped {LLAMA['num_hidden_layers']} layers, hidden {LLAMA['hidden_size']}, vocabulary "
           f"{LLAMA['vocab_size']}, fp32, batch ({args.batch}, {args.seq}); autograd's saved tensors per rank (max)")

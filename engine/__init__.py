@@ -1,6 +1,6 @@
 """tpmap's generic engine (installed as ``tpmap.engine``): plan, slice, replace, communicate.
 
-It reads the mapping language (`tpmap.spec`), torch and transformers, and nothing else of tpmap.
+It reads the mapping language (`tpmap.language`), torch and transformers, and nothing else of tpmap.
 
 * `planner`       -- mapping + model structure -> a `plan.Plan` (checks everything, touches no tensor)
 * `plan`          -- the plan's data: what every rank holds and does
@@ -14,4 +14,7 @@ It reads the mapping language (`tpmap.spec`), torch and transformers, and nothin
 * `slice_io`      -- the byte runs of a rank's slice in a stored tensor (checkpoint reads)
 * `blocks`        -- the repeated blocks of a model
 * `sequence_plan` -- where sequence parallelism's collectives go; `sequence` -- its runtime hooks
+* `shm`           -- same-host shared-memory collectives for CPU ranks (chosen per group, gloo otherwise)
+* `symm_mem`      -- the opt-in symmetric-memory all-reduce for small CUDA messages
+* `errors`        -- the engine's errors (a model the mapping cannot shard as it is)
 """

@@ -25,7 +25,7 @@ Statistic = Literal["", "rms", "layer", "l2"]  # a Norm's statistic ("" for othe
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParamShard:
+class ParamLayout:
     """How one parameter is spread over the ranks."""
     name: str  # full name in the model, e.g. transformer.h.0.attn.c_attn.weight
     full_shape: tuple[int, ...]
@@ -58,8 +58,8 @@ class ModuleShard:
     reverse: bool
     gather_output: bool
     entry: int  # index of the mapping entry (for messages); -1 for vocab_parallel
-    weight: ParamShard | None  # None only for a Norm without a weight (statistic l2)
-    bias: ParamShard | None
+    weight: ParamLayout | None  # None only for a Norm without a weight (statistic l2)
+    bias: ParamLayout | None
     copy_input: bool = True  # Column: all-reduce the input's gradient (False after an Enter)
     statistic: Statistic = ""  # Norm: the statistic it computes
     eps: float = 0.0  # Norm: the module's epsilon
@@ -97,7 +97,7 @@ class Plan:
     updates: tuple[AttributeUpdate, ...]
     source: str = ""  # mapping file
     grad_allreduce: tuple[str, ...] = ()  # replicated parameters whose gradients are summed over ranks
-    tensors: tuple[ParamShard, ...] = ()  # bare tensors split in place (Param entries)
+    tensors: tuple[ParamLayout, ...] = ()  # bare tensors split in place (Param entries)
     reduces: tuple[str, ...] = ()  # modules whose output is all-reduced (Reduce entries)
     inputs: tuple[InputSlice, ...] = ()  # forward arguments sliced by heads (Input entries)
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
@@ -105,7 +105,7 @@ class Plan:
     refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model
 
     @property
-    def params(self) -> dict[str, ParamShard]:
+    def params(self) -> dict[str, ParamLayout]:
         """Every split tensor by full name: module weights/biases and Param tensors (not ModuleLists)."""
         out = {}
         for m in self.modules:

@@ -2,7 +2,7 @@
 
 One `Planner` holds the planning state (the model's modules, which entry claimed which tensor, the
 results so far, the errors when collecting); each entry kind is planned by one method below, in the
-order of `tpmap.spec.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
+order of `tpmap.language.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
 a tensor's data; `engine.shard` executes the plan.
 """
 from __future__ import annotations
@@ -16,20 +16,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tpmap.engine import pieces as split
+from tpmap.engine.errors import ModuleKindError, UnsupportedConfigError
 from tpmap.engine.layers import lookup_bypass
-from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamShard, Plan
-from tpmap.spec import compose, expr
-from tpmap.spec.errors import (
-    ConfigAttributeError,
-    DivisibilityError,
-    ModuleKindError,
-    PatternMatchError,
-    TpmapError,
-    UnsupportedConfigError,
-    did_you_mean,
-)
-from tpmap.spec.patterns import match_entry, match_modules, suggest_module
-from tpmap.spec.schema import (
+from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamLayout, Plan
+from tpmap.language import compose, expr
+from tpmap.language.errors import ConfigAttributeError, DivisibilityError, PatternMatchError, TpmapError, did_you_mean
+from tpmap.language.patterns import match_entry, match_modules, suggest_module
+from tpmap.language.schema import (
     Column,
     Enter,
     Input,
@@ -45,7 +38,7 @@ from tpmap.spec.schema import (
     layer_selected,
     release_matches,
 )
-from tpmap.spec.source import LoadedMapping
+from tpmap.language.source import MappingFile
 
 
 def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
@@ -58,8 +51,8 @@ def base_prefix(model: nn.Module) -> tuple[nn.Module, str]:
     raise AssertionError("model.base_model is not a submodule of the model")
 
 
-def composed(model: nn.Module, loaded: LoadedMapping, errors: list[TpmapError] | None = None) -> LoadedMapping:
-    """`loaded` with its `compose` items expanded over `model`'s sub-models (`tpmap.spec.compose`): ordinary
+def composed(model: nn.Module, loaded: MappingFile, errors: list[TpmapError] | None = None) -> MappingFile:
+    """`loaded` with its `compose` items expanded over `model`'s sub-models (`tpmap.language.compose`): ordinary
     entries whose patterns reach the sub-model's own base model and whose expressions read its sub-config.
     `loaded` itself when it composes nothing. With `errors`, problems are collected (tpmap lint)."""
     if not loaded.mapping.compose:
@@ -110,7 +103,7 @@ class EntryContext:
     """One entry being planned: evaluates its expressions and names its position (and lint rule) in
     every error it raises."""
 
-    def __init__(self, config: PretrainedConfig, loaded: LoadedMapping, index: int, tp_size: int):
+    def __init__(self, config: PretrainedConfig, loaded: MappingFile, index: int, tp_size: int):
         """`config` is the model's; a composed entry reads its sub-model's sub-config."""
         self.loaded, self.index, self.tp_size = loaded, index, tp_size
         self.config = loaded.config_of("entries", index, config)
@@ -207,7 +200,7 @@ def attribute_path(config, name: str):
 class Planner:
     """Plans every entry of `loaded` on `model` at `tp_size`; see `build_plan`."""
 
-    def __init__(self, model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list | None = None):
+    def __init__(self, model: nn.Module, loaded: MappingFile, tp_size: int, errors: list | None = None):
         self.model, self.loaded, self.tp_size, self.errors = model, loaded, tp_size, errors
         self.config = model.config
         self.base, self.prefix = base_prefix(model)
@@ -215,7 +208,7 @@ class Planner:
         self.names = list(self.modules)
         self.owner: dict[str, int] = {}  # full tensor name -> index of the entry that splits it
         self.shards: list[ModuleShard] = []  # modules replaced (Column, Row, Norm; vocab_parallel)
-        self.tensors: list[ParamShard] = []  # bare tensors split in place (Param)
+        self.tensors: list[ParamLayout] = []  # bare tensors split in place (Param)
         self.updates: list[AttributeUpdate] = []
         self.reduces: list[str] = []  # modules whose output is summed over the ranks (Reduce)
         self.enters: list[str] = []  # modules whose output's gradient is summed over the ranks (Enter)
@@ -361,14 +354,14 @@ class Planner:
         if replicated and column and entry.gather_output:
             raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
                             f"at world size {self.tp_size}", "gather_output", rule="divisibility")
-        weight = ParamShard(name=f"{full}.weight", full_shape=tuple(w.shape), dim=dim, pieces=pieces,
+        weight = ParamLayout(name=f"{full}.weight", full_shape=tuple(w.shape), dim=dim, pieces=pieces,
                             replicated_heads=replicated)
         bias = None
         if getattr(module, "bias", None) is not None:
             b = module.bias
-            bias = (ParamShard(name=f"{full}.bias", full_shape=tuple(b.shape), dim=0, pieces=pieces,
+            bias = (ParamLayout(name=f"{full}.bias", full_shape=tuple(b.shape), dim=0, pieces=pieces,
                                replicated_heads=replicated) if column
-                    else ParamShard(name=f"{full}.bias", full_shape=tuple(b.shape), dim=None))
+                    else ParamLayout(name=f"{full}.bias", full_shape=tuple(b.shape), dim=None))
         self.shards.append(ModuleShard(name=full, style="column" if column else "row", module_class=cls,
                                        reverse=entry.reverse, gather_output=column and entry.gather_output,
                                        entry=ctx.index, weight=weight, bias=bias,
@@ -462,14 +455,14 @@ class Planner:
                 if holder == "modules":
                     raise ctx.error(ModuleKindError, f"{name} is a ModuleList; partial is for tensors", "partial",
                                     rule="module-kind")
-                self.tensors.append(ParamShard(name=name, full_shape=shape, dim=None, partial=True, holder=holder))
+                self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=None, partial=True, holder=holder))
                 continue
             dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
             if not 0 <= dim < len(shape):
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules")
-            self.tensors.append(ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces,
+            self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
 
     # -- Reduce ------------------------------------------------------------------------------------
@@ -535,8 +528,8 @@ class Planner:
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
                             "heads", rule="divisibility")
-        w = ParamShard(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces)
-        b = (ParamShard(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces)
+        w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces)
+        b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces)
              if "bias" in own else None)
         self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
@@ -614,13 +607,13 @@ class Planner:
         pieces, per_rank = split.vocab_pieces(vocab, self.tp_size)
         shards = []
 
-        def shard_of(param) -> ParamShard:
+        def shard_of(param) -> ParamLayout:
             names = by_id[id(param)]
             for n in names:
                 if n in self.owner:
                     raise PatternMatchError(f"{n} is in the vocabulary split and also claimed by entry "
                                             f"{self.owner[n]}", pos, "double-match")
-            return ParamShard(name=names[0], full_shape=tuple(param.shape), dim=0, pieces=pieces,
+            return ParamLayout(name=names[0], full_shape=tuple(param.shape), dim=0, pieces=pieces,
                               local_size=per_rank, aliases=tuple(names[1:]))
 
         if emb is not None:
@@ -671,7 +664,7 @@ def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
     return None, None
 
 
-def build_plan(model: nn.Module, loaded: LoadedMapping, tp_size: int, errors: list[TpmapError] | None = None) -> Plan:
+def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list[TpmapError] | None = None) -> Plan:
     """Check the mapping against `model` and compute the plan for every rank. Reads no tensor data.
 
     A mapping that composes others (``compose``) is expanded over the model first (`composed`).
@@ -717,7 +710,7 @@ def names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
     return by_id
 
 
-def check_expressions(config, loaded: LoadedMapping) -> list[TpmapError]:
+def check_expressions(config, loaded: MappingFile) -> list[TpmapError]:
     """Every config attribute that an expression of the mapping names, checked against `config`, for
     the entries that apply to `config` (their `when` matches).
 

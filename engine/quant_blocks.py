@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tpmap.engine.plan import ParamShard, Plan
-from tpmap.spec.errors import DivisibilityError
+from tpmap.engine.plan import ParamLayout, Plan
+from tpmap.language.errors import DivisibilityError
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def misaligned(model: nn.Module, plan: Plan) -> list[Misaligned]:
     return out
 
 
-def cut_inside(shard: ParamShard, block: int) -> int | None:
+def cut_inside(shard: ParamLayout, block: int) -> int | None:
     """The first shard boundary of `shard` inside a block of `block` elements along its split dim, or None."""
     if shard.dim is None or block <= 1 or block >= shard.full_shape[shard.dim]:  # element-wise, or one block
         return None

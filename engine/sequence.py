@@ -24,10 +24,10 @@ from tpmap.engine.collectives import (
     reduce_scatter_to_sequence_region,
     split_to_sequence_region,
 )
+from tpmap.engine.errors import SequenceParallelError
 from tpmap.engine.layers import _matmul
 from tpmap.engine.sequence_plan import SequencePlan
 from tpmap.engine.shard import map_first_tensor
-from tpmap.spec.errors import SequenceParallelError
 
 SEQ_DIM = 1  # the hidden states between blocks are (B, T, H), batch first
 

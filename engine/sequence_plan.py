@@ -70,9 +70,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from tpmap.engine.blocks import block_prefixes
+from tpmap.engine.errors import SequenceParallelError
 from tpmap.engine.plan import Plan
-from tpmap.spec.errors import SequenceParallelError
-from tpmap.spec.patterns import match_modules
+from tpmap.language.patterns import match_modules
 
 
 def _token_wise() -> tuple:

@@ -33,11 +33,11 @@ from tpmap.engine.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from tpmap.engine.plan import InputSlice, ModuleShard, ParamShard, Plan
+from tpmap.engine.plan import InputSlice, ModuleShard, ParamLayout, Plan
 from tpmap.engine.planner import resolve_attr
 
 
-def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
+def take(full: torch.Tensor, shard: ParamLayout, rank: int) -> torch.Tensor:
     """This rank's slice of a full tensor, as a new contiguous tensor (zero-padded to local_size).
     A partial tensor is whole on rank 0 and zeros on the others."""
     if shard.partial:
@@ -54,7 +54,7 @@ def take(full: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
     return torch.cat(parts, dim=shard.dim).detach().contiguous() if len(parts) > 1 else parts[0].detach().clone()
 
 
-def full_tensor(local: torch.Tensor, shard: ParamShard, group=None, dst: int | None = None) -> torch.Tensor | None:
+def full_tensor(local: torch.Tensor, shard: ParamLayout, group=None, dst: int | None = None) -> torch.Tensor | None:
     """The full tensor from every rank's slice (a collective: call it on every rank). With `dst` (a rank
     of the group), only that rank gets it and the others None: nothing is gathered on them."""
     rank = dist.get_rank(group)
@@ -78,7 +78,7 @@ def full_tensor(local: torch.Tensor, shard: ParamShard, group=None, dst: int | N
     return assemble(parts, shard)
 
 
-def assemble(parts: list[torch.Tensor], shard: ParamShard) -> torch.Tensor:
+def assemble(parts: list[torch.Tensor], shard: ParamLayout) -> torch.Tensor:
     """The full tensor from every rank's local tensor (`take`'s inverse; padding dropped)."""
     full = parts[0].new_empty(shard.full_shape)
     for rank, part in enumerate(parts):
@@ -89,7 +89,7 @@ def assemble(parts: list[torch.Tensor], shard: ParamShard) -> torch.Tensor:
     return full
 
 
-def gather_order(shard: ParamShard) -> torch.Tensor | None:
+def gather_order(shard: ParamLayout) -> torch.Tensor | None:
     """For Column gather_output: position in the rank-major all-gather of each full feature, or None if
     the all-gather is already in feature order."""
     concat = [i for r in range(len(shard.pieces)) for i in shard.indices(r)]
@@ -133,7 +133,7 @@ def execute(model: nn.Module, plan: Plan, rank: int, group, read=take) -> None:
     reads the slice from a checkpoint instead (the model's full tensors then sit on the meta device)."""
     new_params: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard: tied weights stay one tensor
 
-    def param(full: nn.Parameter, shard: ParamShard) -> nn.Parameter:
+    def param(full: nn.Parameter, shard: ParamLayout) -> nn.Parameter:
         if id(full) not in new_params:
             new_params[id(full)] = nn.Parameter(read(full.data, shard, rank), requires_grad=full.requires_grad)
         return new_params[id(full)]
@@ -197,7 +197,7 @@ def _train_and_rescan(self: nn.Module, mode: bool = True) -> nn.Module:
     return self
 
 
-def _cut(model: nn.Module, t: ParamShard, rank: int, param, read):
+def _cut(model: nn.Module, t: ParamLayout, rank: int, param, read):
     """This rank's part of a Param tensor: a new Parameter, a new buffer, or a RankModuleList."""
     owner, _, attr = t.name.rpartition(".")
     old = getattr(model.get_submodule(owner), attr)
@@ -349,7 +349,7 @@ def all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
     return all_reduce_(grad.contiguous().clone(), group)
 
 
-def sum_over_holders(grad: torch.Tensor, shard: ParamShard, index: torch.Tensor, group) -> torch.Tensor:
+def sum_over_holders(grad: torch.Tensor, shard: ParamLayout, index: torch.Tensor, group) -> torch.Tensor:
     full = grad.new_zeros(shard.full_shape)
     index = index.to(grad.device)  # the model may have moved to another device after apply
     full.index_copy_(shard.dim, index, grad)

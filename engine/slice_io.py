@@ -2,7 +2,7 @@
 
 `engine.shard.take` slices a full tensor already in memory; `read_local` builds the same tensor from
 the bytes of the stored full tensor, reading only the byte runs the rank keeps. The plan drives both:
-``ParamShard.dim`` and ``pieces[rank]`` say which ranges of the split dim the rank holds, in local
+``ParamLayout.dim`` and ``pieces[rank]`` say which ranges of the split dim the rank holds, in local
 order, ``local_size`` pads (zeros at the end) and ``partial`` means whole on rank 0, zeros elsewhere.
 
 A row-major tensor of shape ``(*outer, D, *inner)`` split along D stores the rank's local tensor as
@@ -27,7 +27,7 @@ from itertools import pairwise
 
 import torch
 
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 
 # read_into(buffer, byte_offset): fill `buffer` (a writable memoryview) with the stored tensor's bytes
 # starting `byte_offset` bytes after the start of its data.
@@ -95,7 +95,7 @@ def read_whole(read_into: ReadInto, shape: tuple[int, ...], dtype: torch.dtype,
     return out
 
 
-def read_local(read_into: ReadInto, shard: ParamShard, rank: int, dtype: torch.dtype,
+def read_local(read_into: ReadInto, shard: ParamLayout, rank: int, dtype: torch.dtype,
                scratch: Scratch | None = None, in_scratch: bool = False) -> torch.Tensor:
     """This rank's local tensor (as `take` would cut it from the full one) from the stored full tensor's
     bytes, in the stored `dtype`, on the CPU. `scratch` provides the blocks of rows; with `in_scratch`

@@ -95,7 +95,7 @@ def _reference(full: torch.nn.Module, ws: int) -> dict:
     tensors = _tensors(full)
     if ws == 1:
         return {k: v.detach().clone() for k, v in tensors.items()}
-    loaded = tpmap.load_mapping(full)
+    loaded = tpmap.read_mapping(full)
     splits = slicing_reference.splits(full, loaded, tpmap.plan(full, ws, mapping=loaded), ws)
     rank = dist.get_rank()
     return {k: splits[k].local(v, ws, rank) if k in splits else v.detach().clone() for k, v in tensors.items()}

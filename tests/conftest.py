@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tpmap.launch import RankPool
+from tpmap.parallelize.rank_processes import RankPool
 
 # Families whose multi-rank tests run in the default tier: together they use every entry kind (Column,
 # Row, Update, Param, Reduce, Enter, Norm, Input) and every flag of MODELS.md's features column.
@@ -106,7 +106,7 @@ _LEFT_TO_FULL: list[int] = []
 def _release_range(arch: str | None, cache: dict = {}) -> str | None:  # noqa: B006 (a cache per session)
     """The shipped mapping `arch`'s own `transformers` range (None: none, or not a shipped mapping)."""
     from tpmap import verify
-    from tpmap.spec import source
+    from tpmap.language import source
 
     if arch not in cache:
         cache[arch] = verify.resolve(arch).mapping.transformers if arch in source.shipped_files() else None

@@ -100,7 +100,7 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
         opt_full.step()
 
     plan = sharded.tpmap_plan
-    splits = slicing_reference.splits(full, tpmap.load_mapping(full), plan, plan.tp_size)  # not the engine's take
+    splits = slicing_reference.splits(full, tpmap.read_mapping(full), plan, plan.tp_size)  # not the engine's take
     worst, worst_name = 0.0, ""
     for name, p in sharded.named_parameters():
         local = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: the dp shards gathered back

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 
 def mapping_text(origin: str) -> str:

@@ -312,7 +312,7 @@ def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"])
     plan = sharded.tpmap_plan
-    splits = slicing_reference.splits(full, tpmap.load_mapping(full), plan, tp)
+    splits = slicing_reference.splits(full, tpmap.read_mapping(full), plan, tp)
     reverse = {m.name + ".weight": m.reverse for m in plan.modules}
 
     def config():

@@ -37,7 +37,7 @@ def apply_error(ref: str, class_name: str, world_size: int | None, mapping_text:
     model = verify.build_model(ref, 0, class_name)
     mapping = None
     if mapping_text is not None:
-        from tpmap.spec.source import load_text
+        from tpmap.language.source import load_text
         mapping = load_text(mapping_text, "<test mapping>")
     if twice:
         tpmap.apply(model, dist.get_world_size(), mapping=mapping)
@@ -694,7 +694,7 @@ def expected_share(ref: str, verify_index: int, class_name: str) -> dict:
     from transformers.pytorch_utils import Conv1D
 
     from tpmap.engine.planner import base_prefix, composed
-    from tpmap.spec.patterns import match_modules
+    from tpmap.language.patterns import match_modules
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     full = verify.build_model(ref, verify_index, class_name)

@@ -1,6 +1,6 @@
 """An independent reference for tensor-parallel slicing: which elements of a split dimension rank r
-holds, decided element by element from the layout rules, without engine.pieces, ParamShard.pieces,
-ParamShard.indices or engine.shard.take. The property tests compare the engine's slicing with it, and
+holds, decided element by element from the layout rules, without engine.pieces, ParamLayout.pieces,
+ParamLayout.indices or engine.shard.take. The property tests compare the engine's slicing with it, and
 the rank tests slice the unsharded gradients and checkpoint tensors with it.
 
 The rules, for element i of a split dimension of D features at world size ws:
@@ -155,9 +155,9 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     from torch import nn
 
     from tpmap.engine.planner import EntryContext, base_prefix, composed
-    from tpmap.spec.expr import evaluate as evaluate_expr
-    from tpmap.spec.patterns import match_entry
-    from tpmap.spec.schema import Column, Norm, Param, entry_applies, layer_selected
+    from tpmap.language.expr import evaluate as evaluate_expr
+    from tpmap.language.patterns import match_entry
+    from tpmap.language.schema import Column, Norm, Param, entry_applies, layer_selected
 
     loaded = composed(full, loaded)  # a composing mapping's entries, as the plan numbers them
     entries = loaded.mapping.entries

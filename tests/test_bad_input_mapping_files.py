@@ -15,9 +15,9 @@ from helpers import edited
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpmap.language import source
+from tpmap.language.errors import MappingError, MappingErrors, TpmapError
 from tpmap.lint import lint_file
-from tpmap.spec import source
-from tpmap.spec.errors import MappingError, MappingErrors, TpmapError
 
 SHIPPED = source.shipped_files()
 LLAMA = SHIPPED["llama"].read_text()
@@ -69,7 +69,7 @@ def test_an_update_outside_1_to_the_full_value_fails_at_plan_time_with_its_line(
 
     path = tmp_path / "llama_negative.yaml"
     path.write_text(HOSTILE["negative-update"][0])
-    spec = source.load_file(path).mapping.verify[0]
+    spec = source.read_file(path).mapping.verify[0]
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.for_model("llama", **spec.config))
     with pytest.raises(TpmapError) as info:

@@ -6,7 +6,7 @@ from pathlib import Path
 import test_mappings
 
 from tpmap import catalog, verify
-from tpmap.spec import source
+from tpmap.language import source
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 import tpmap
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 
 def _shipped() -> list[tuple[str, int]]:
@@ -395,7 +395,7 @@ def test_a_rank_failing_while_reading_makes_every_rank_raise(ranks, tmp_path):
     folder = _sharded(tmp_path)
     results = ranks(2).run(cases.fails_on_one_rank, str(folder), timeout=120)
     assert results[1]["error"][0] == "OSError" and "simulated read error" in results[1]["error"][1]
-    assert results[0]["error"][0] == "LoadError" and "another rank" in results[0]["error"][1]
+    assert results[0]["error"][0] == "OtherRankError" and "another rank" in results[0]["error"][1]
 
 
 def test_arguments_that_place_weights_another_way_are_refused(checkpoint):

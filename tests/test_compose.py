@@ -1,4 +1,4 @@
-"""Composed mappings (`compose`, tpmap/spec/compose.py) and the example inputs of multimodal models: plans
+"""Composed mappings (`compose`, tpmap/language/compose.py) and the example inputs of multimodal models: plans
 of meta-device models and example inputs, no processes. The composed mappings on real ranks (forward,
 gradients, generate with the image inputs) are proven by tests/test_mappings.py like every shipped mapping,
 and a wrong projector or vision-tower split is caught below (test_a_wrong_composed_mapping_is_caught)."""
@@ -13,16 +13,11 @@ from helpers import assert_caught, edited, mapping_text, replaced, write_mapping
 
 import tpmap
 from tpmap import verify
+from tpmap.engine.errors import UnsupportedConfigError
 from tpmap.engine.planner import composed
-from tpmap.spec import expr, source
-from tpmap.spec.errors import (
-    ConfigAttributeError,
-    MappingError,
-    MappingErrors,
-    MissingInputError,
-    PatternMatchError,
-    UnsupportedConfigError,
-)
+from tpmap.language import expr, source
+from tpmap.language.errors import ConfigAttributeError, MappingError, MappingErrors, PatternMatchError
+from tpmap.tool_errors import MissingInputError
 
 LLAVA = "llava"
 
@@ -83,11 +78,11 @@ def test_the_expanded_entries_keep_their_own_files_positions_and_scopes():
     kinds = [e.module for e in expanded.mapping.entries]
     assert kinds[:2] == ["multi_modal_projector.linear_1", "multi_modal_projector.linear_2"]
     llama, clip = source.shipped_files()["llama"], source.shipped_files()["clip_vision_model"]
-    n_llama = len(source.load_file(llama).mapping.entries)
+    n_llama = len(source.read_file(llama).mapping.entries)
     assert kinds[2] == "language_model.layers.*.self_attn.q_proj"
     assert kinds[2 + n_llama] == "vision_tower.encoder.layers.*.self_attn.[qkv]_proj"
     first = expanded.source.value(("entries", 2, "module"))
-    assert (first.path, first.line) == (str(llama), source.load_file(llama).entry_position(0).line)
+    assert (first.path, first.line) == (str(llama), source.read_file(llama).entry_position(0).line)
     assert expanded.source.value(("entries", 2 + n_llama, "heads")).path == str(clip)
     scope = expanded.scopes[("entries", 3)]
     assert (scope.index, scope.prefix, scope.config) == (1, "language_model.", ("text_config",))
@@ -113,7 +108,7 @@ def test_mapping_names_another_file_by_model_type_or_relative_path(tmp_path):
     (sub / "text.yaml").write_text(mapping_text("mistral").replace("model_type: mistral", "model_type: llama"))
     path = composing(tmp_path, "compose:\n  - {module: language_model, config: text_config, mapping: sub/text.yaml}\n"
                                "  - {module: vision_tower, config: vision_config, mapping: clip_vision_model}\n")
-    expanded = composed(meta_llava(), source.load_file(path))
+    expanded = composed(meta_llava(), source.read_file(path))
     files = {Path(expanded.source.value(("entries", i)).path).name for i in range(len(expanded.mapping.entries))}
     assert files == {"top.yaml", "text.yaml", "clip_vision_model.yaml"}
 

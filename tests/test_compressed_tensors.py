@@ -219,7 +219,7 @@ def test_dynamic_activation_quantization_is_named_in_a_warning(tmp_path, preset,
     load (the logits differ from transformers' CPU load by that error), and stays silent where weights only are."""
     import warnings
 
-    from tpmap.spec.errors import UnquantizedActivationsWarning
+    from tpmap.checkpoint.errors import UnquantizedActivationsWarning
 
     folder = save(tmp_path / preset, "llama", preset, 32 if preset == "W4A16" else None)
     with warnings.catch_warnings(record=True) as seen:

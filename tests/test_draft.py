@@ -14,10 +14,10 @@ from tpmap.draft.analysis import blocks_of
 from tpmap.draft.config import build_meta, model_class, tiny_model
 from tpmap.draft.entries import analysis_entries, attribute_candidates
 from tpmap.draft.render import scalar
+from tpmap.language import source
 from tpmap.lint import lint_file
 from tpmap.meta import auto_classes
-from tpmap.spec import source
-from tpmap.spec.errors import DraftError
+from tpmap.tool_errors import DraftError
 
 # plain layouts (separate q/k/v or head-major, plain MLPs): decoders (a parallel attention + MLP block,
 # head-major fused qkv), BERT-style encoders (nested attention scopes, layer-shared weights),
@@ -48,7 +48,7 @@ def test_at_least_15_plain_drafts_are_proven():
     mapping but its default_config, which none of these has, so each draft is the drafter's own work."""
     shipped = source.shipped_files()
     assert len(PLAIN) >= 15
-    assert not [m for m in PLAIN + NOT_PLAIN if m in shipped and source.load_file(shipped[m]).mapping.default_config]
+    assert not [m for m in PLAIN + NOT_PLAIN if m in shipped and source.read_file(shipped[m]).mapping.default_config]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -249,7 +249,7 @@ def test_cli_writes_the_draft(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tpmap", "draft", "helium", "-o", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "wrote" in done.stderr and source.load_file(out).mapping.model_type == "helium"
+    assert "wrote" in done.stderr and source.read_file(out).mapping.model_type == "helium"
     bad = subprocess.run([sys.executable, "-m", "tpmap", "draft", "no_such_type"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "is not a model_type" in bad.stderr and not bad.stdout

@@ -9,14 +9,13 @@ from helpers import edited, mapping_text
 
 import tpmap
 from tpmap import verify
-from tpmap.spec import source
-from tpmap.spec.errors import (
-    AlreadyAppliedError,
+from tpmap.api_errors import AlreadyAppliedError, ProcessGroupError
+from tpmap.language import source
+from tpmap.language.errors import (
     ConfigAttributeError,
     DivisibilityError,
     MappingErrors,
     PatternMatchError,
-    ProcessGroupError,
     TpmapError,
     UnknownModelTypeError,
 )
@@ -209,7 +208,7 @@ def test_apply_on_a_meta_device_model_says_to_load_the_weights_first(ranks):
 
 def test_a_failing_verify_case_prints_one_line_per_rank(ranks):
     """The whole tracebacks (hundreds of lines) only with --verbose."""
-    from tpmap.launch import RankFailure
+    from tpmap.parallelize.rank_processes import RankFailure
 
     with pytest.raises(RankFailure) as info:
         ranks(2).run(rank_cases.crash_on_rank, 1)

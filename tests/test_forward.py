@@ -7,7 +7,7 @@ import rank_cases
 from helpers import assert_caught, edited_copy, run_case
 
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 SHIPPED = list(source.shipped_files())
 CASES = verify.cases(SHIPPED)

@@ -10,7 +10,7 @@ import rank_cases
 import torch
 from helpers import edited_copy
 
-from tpmap.launch import RankFailure
+from tpmap.parallelize.rank_processes import RankFailure
 
 
 def test_a_crashing_rank_is_reported_with_its_traceback(ranks):
@@ -122,7 +122,7 @@ def test_example_ids_hold_every_vocabulary_shard_boundary(ref):
 
 def test_an_undeclared_main_input_is_a_located_error(tmp_path):
     from tpmap import verify
-    from tpmap.spec.errors import MappingError
+    from tpmap.language.errors import MappingError
 
     declared = ("    inputs:\n"
                 "      input_features: {shape: [batch, num_mel_bins, 2 * max_source_positions], kind: float}\n")

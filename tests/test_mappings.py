@@ -20,7 +20,7 @@ import rank_cases
 import torch  # noqa: F401  (rank_cases needs it importable)
 
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
 GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}

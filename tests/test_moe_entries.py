@@ -10,7 +10,7 @@ import transformers
 from helpers import edited_copy, first_case, mapping_text, replaced, run_case, write_mapping
 
 import tpmap
-from tpmap.spec.source import load_text
+from tpmap.language.source import load_text
 
 DBRX_EXPERTS = """
 model_type: dbrx

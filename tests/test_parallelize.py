@@ -18,7 +18,7 @@ from parallelize_cases import MASK, PROMPT, hang_in_forward_on, raise_in_forward
 from transformers import TextStreamer
 
 import tpmap
-from tpmap import wire
+from tpmap.parallelize import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "parallelize_cases.py"

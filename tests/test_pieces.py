@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpmap.engine import pieces
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import take
 
 
@@ -58,6 +58,6 @@ def test_pieces_tile_the_dimension_once_unless_heads_are_replicated():
 
 def test_a_partial_tensor_is_whole_on_rank_0_and_zero_elsewhere():
     full = torch.randn(4, 6)
-    shard = ParamShard(name="experts.down_proj_bias", full_shape=(4, 6), dim=None, partial=True)
+    shard = ParamLayout(name="experts.down_proj_bias", full_shape=(4, 6), dim=None, partial=True)
     assert torch.equal(take(full, shard, 0), full)
     assert not take(full, shard, 1).any() and take(full, shard, 1).shape == full.shape

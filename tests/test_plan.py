@@ -173,7 +173,7 @@ def test_shipped_scaled_word_embeddings_route_through_the_lookup():
 def test_when_reads_an_absent_attribute_as_its_declared_default_else_null():
     from types import SimpleNamespace
 
-    from tpmap.spec.schema import config_matches
+    from tpmap.language.schema import config_matches
 
     lacks, has = SimpleNamespace(), SimpleNamespace(share_att_key=True)
     assert not config_matches({"share_att_key": False}, lacks)  # absent, no default: null, not False
@@ -187,7 +187,7 @@ def test_when_reads_an_absent_attribute_as_its_declared_default_else_null():
 
 
 def test_expressions_read_a_declared_default_where_the_config_lacks_it():
-    from tpmap.spec import source
+    from tpmap.language import source
 
     loaded = source.load_text(
         "model_type: llama\nconfig_defaults: {head_groups: 2}\nentries:\n"
@@ -209,8 +209,8 @@ def test_a_default_config_patch_with_more_layers_is_still_cut_for_lint():
 def test_an_entry_applies_only_on_the_transformers_releases_of_its_range():
     """One entry per layout of a module that a release renamed: each applies on its own releases only, so
     two entries for one module never both claim it, and the plan holds the installed release's entry."""
-    from tpmap.spec import source
-    from tpmap.spec.schema import release_matches
+    from tpmap.language import source
+    from tpmap.language.schema import release_matches
 
     assert release_matches(">=5.24", "5.24.0") and not release_matches(">=5.24", "5.23.0")
     assert release_matches("<5.24", "5.23.0") and release_matches(None, "5.23.0")
@@ -241,8 +241,8 @@ LLAMA_VERIFY = "verify:\n  - {config: {}, models: [LlamaForCausalLM]}\n"
 def test_when_layer_selects_the_modules_of_the_layers_whose_per_layer_entry_matches():
     """Gemma 2's layers alternate sliding and full attention in one class: `when_layer` gives each kind its own
     entry (here k_proj by 2 KV heads in sliding layers and by 1 group in full ones, to tell them apart)."""
-    from tpmap.spec import source
-    from tpmap.spec.errors import ConfigAttributeError
+    from tpmap.language import source
+    from tpmap.language.errors import ConfigAttributeError
 
     model = meta_model("gemma2")  # layer_types [sliding_attention, full_attention], 2 KV heads of 8
     text = """model_type: gemma2
@@ -275,8 +275,8 @@ def test_an_entry_whose_when_layer_selects_no_layer_does_not_apply_even_where_it
     """A layer kind a config does not have (a Nemotron-H stack without MLP layers) has no modules to match: the
     entry does not apply, as a false `when`; where the config has such a layer, a pattern matching nothing is the
     usual error."""
-    from tpmap.spec import source
-    from tpmap.spec.errors import PatternMatchError
+    from tpmap.language import source
+    from tpmap.language.errors import PatternMatchError
 
     model = meta_model("gemma2")  # layer_types [sliding_attention, full_attention]
     text = """model_type: gemma2
@@ -310,8 +310,8 @@ def test_a_heterogeneous_config_is_read_per_layer():
 def test_an_l2_norm_without_a_weight_is_planned_as_a_statistic_only():
     """Dory's sub-norms (x / sqrt(sum(x^2) + eps), no weight) over split features: a norm shard with no tensor to
     slice; a layout on it is refused (nothing to lay out)."""
-    from tpmap.spec import source
-    from tpmap.spec.errors import ModuleKindError
+    from tpmap.engine.errors import ModuleKindError
+    from tpmap.language import source
 
     model = meta_model("dory")
     plan = tpmap.plan(model, 2)

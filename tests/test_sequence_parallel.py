@@ -12,7 +12,7 @@ import torch
 
 import tpmap
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 GRAD_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 # fp64 logits: 1e-6, not ~1e-12, because some transformers norms compute in float32 whatever the dtype

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tpmap.engine import slice_io
 from tpmap.engine.pieces import split_groups, split_sections, vocab_pieces
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import assemble, take
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +81,7 @@ def split_dims(draw):
 
 @st.composite
 def shards(draw):
-    """(ParamShard, world size, reference Split): a random tensor shape with one split dim, or a partial
+    """(ParamLayout, world size, reference Split): a random tensor shape with one split dim, or a partial
     tensor."""
     ws, pieces, replicated, local_size, size, layout = draw(split_dims())
     ndim = draw(st.integers(1, 3))
@@ -89,9 +89,9 @@ def shards(draw):
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
     shape[dim] = size
     if draw(st.integers(0, 9)) == 0:
-        shard = ParamShard(name="t", full_shape=tuple(shape), dim=None, partial=True)
+        shard = ParamLayout(name="t", full_shape=tuple(shape), dim=None, partial=True)
         return shard, ws, ref.Split(None, None, partial=True)
-    return ParamShard(name="t", full_shape=tuple(shape), dim=dim, pieces=pieces,
+    return ParamLayout(name="t", full_shape=tuple(shape), dim=dim, pieces=pieces,
                       replicated_heads=replicated, local_size=local_size), ws, ref.Split(dim, layout)
 
 
@@ -176,7 +176,7 @@ def test_the_pieces_tile_the_split_dim(case):
         assert held == [1] * size
 
 
-def _read_all(shard: ParamShard, ws: int, split, dtype, gap_bytes: int, block_bytes: int) -> int:
+def _read_all(shard: ParamLayout, ws: int, split, dtype, gap_bytes: int, block_bytes: int) -> int:
     """Every rank's `read_local` against the reference slice, with these GAP_BYTES and BLOCK_BYTES; returns
     how many blocks of rows were read."""
     full = _tensor(shard.full_shape, dtype)
@@ -233,7 +233,7 @@ def test_reads_in_blocks_of_a_few_rows_are_the_reference_slice(shape, dim, secti
     size = shape[dim]
     layout = ref.Layout(size, sections)
     pieces, replicated = split_sections(list(sections), ws, True, _fail, lambda k: ())
-    shard = ParamShard(name="t", full_shape=shape, dim=dim, pieces=pieces, replicated_heads=replicated)
+    shard = ParamLayout(name="t", full_shape=shape, dim=dim, pieces=pieces, replicated_heads=replicated)
     row_bytes = math.prod(shape[dim:]) * 4
     blocks = _read_all(shard, ws, ref.Split(dim, layout), torch.float32, 10 ** 9, rows * row_bytes)
     assert blocks == ws * -(-math.prod(shape[:dim]) // rows)
@@ -252,7 +252,7 @@ def test_a_tensor_larger_than_a_block_read_from_a_file_is_the_reference_slice(tm
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     save_file({"w": full}, tmp_path / "model.safetensors")
     pieces, _ = split_sections([(shape[1], None)], 2, False, _fail, lambda k: ())
-    shard = ParamShard(name="w", full_shape=shape, dim=1, pieces=pieces)
+    shard = ParamLayout(name="w", full_shape=shape, dim=1, pieces=pieces)
     seen = []
     original = slice_io._read_in_blocks
     slice_io._read_in_blocks = lambda *args: (seen.append(args[0]), original(*args))
@@ -332,7 +332,7 @@ def test_a_lazily_converted_slice_equals_take_of_the_converted_tensor(expert_con
     model = _Model({name: torch.empty(shape, device="meta")})
     reader = conversion.Reader(model, {name: source}, lambda n: torch.float32, torch.device("cpu"))
     whole = reader.whole(name)
-    shard = ParamShard(name=name, full_shape=shape, dim=dim, pieces=pieces)
+    shard = ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces)
     for r in range(ws):
         lazy = reader._plan_for(name, source, shard, r)
         assert lazy is not None  # a pure rearrangement: sliced, not converted whole

@@ -19,8 +19,8 @@ import rank_cases
 import torch
 from helpers import assert_caught, edited, edited_copy, first_case, replaced, run_case, write_mapping
 
-from tpmap.spec import source
-from tpmap.spec.errors import DivisibilityError
+from tpmap.language import source
+from tpmap.language.errors import DivisibilityError
 
 # name: (model type, text of the shipped YAML, replacement)
 FORWARD_WRONG = {

@@ -24,7 +24,7 @@ from helpers import edited_copy, mapping_text
 
 import tpmap
 from tpmap import verify
-from tpmap.spec import source
+from tpmap.language import source
 
 
 def _shipped_cases() -> list[tuple[tuple[str, int, str], int]]:
@@ -200,7 +200,7 @@ def test_the_input_fingerprint_sees_every_change_and_no_nan():
     """The per-forward check compares 5 numbers; whatever differs between two ranks' arguments must change
     them (a value, a position, which name holds which tensor, dtype, shape), and a NaN input must compare
     equal to itself (NaN != NaN would read as a mismatch on every rank)."""
-    from tpmap.guards import _fingerprint
+    from tpmap.input_check import _fingerprint
 
     def fp(**tensors):
         return _fingerprint(sorted(tensors.items()), None).tolist()

@@ -12,8 +12,9 @@ import transformers
 
 import tpmap
 from tpmap import compat
-from tpmap.spec import source
-from tpmap.spec.errors import MappingErrors, TransformersVersionError
+from tpmap.api_errors import TransformersVersionError
+from tpmap.language import source
+from tpmap.language.errors import MappingErrors
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -90,7 +90,7 @@ def from_pretrained_case(folder: str, class_name: str, scheme: str, dtype: str) 
     with torch.no_grad():
         want, mine = full(ids).logits, got(ids).logits
     quantized = {n: p for n, p in full.named_parameters() if hasattr(p, "__tensor_flatten__")}
-    loaded = tpmap.load_mapping(full)
+    loaded = tpmap.read_mapping(full)
     splits = slicing_reference.splits(full, loaded, tpmap.plan(full, ws, mapping=loaded), ws)
     local = dict(got.named_parameters())
     differ = [n for n, p in quantized.items() if not hasattr(local[n], "__tensor_flatten__") or not torch.equal(

@@ -9,38 +9,33 @@
     with tpmap.parallelize("path/to/model", 2) as model:
         tokens = model.generate(input_ids, max_new_tokens=32)
 """
-from tpmap.api import apply, full_state_dict, load_mapping, plan
+from tpmap.api import apply, full_state_dict, load_mapping, plan, read_mapping
+from tpmap.api_errors import (
+    AlreadyAppliedError,
+    InputMismatchError,
+    LossParallelError,
+    MetaDeviceError,
+    PartialMappingWarning,
+    ProcessGroupError,
+)
+from tpmap.checkpoint.errors import CheckpointError, LoadError, OtherRankError, QuantizedCheckpointError
 from tpmap.checkpoint.load import from_pretrained
 from tpmap.checkpoint.save import save_pretrained
-from tpmap.driver import CallTiming, Parallelized, Startup, parallelize
-from tpmap.launch import RankFailure, RemoteTraceback
-from tpmap.loss_parallel import vocab_parallel_cross_entropy
-from tpmap.spec.errors import (
-    AlreadyAppliedError,
-    CheckpointError,
+from tpmap.engine.errors import ModuleKindError, SequenceParallelError, UnsupportedConfigError
+from tpmap.language.errors import (
     ConfigAttributeError,
     DivisibilityError,
-    HandleBusyError,
-    HandleClosedError,
-    InputMismatchError,
-    InvalidCallError,
-    LoadError,
-    LossParallelError,
     MappingError,
     MappingErrors,
-    MetaDeviceError,
-    MissingInputError,
-    ModuleKindError,
-    ParallelizeError,
-    PartialMappingWarning,
     PatternMatchError,
-    ProcessGroupError,
-    QuantizedCheckpointError,
-    SequenceParallelError,
     TpmapError,
     UnknownModelTypeError,
-    UnsupportedConfigError,
 )
+from tpmap.loss_parallel import vocab_parallel_cross_entropy
+from tpmap.parallelize.errors import HandleBusyError, HandleClosedError, InvalidCallError, ParallelizeError
+from tpmap.parallelize.handle import CallTiming, Parallelized, Startup, parallelize
+from tpmap.parallelize.rank_processes import RankFailure, RemoteTraceback
+from tpmap.tool_errors import MissingInputError
 
 __version__ = "0.1.0"
 __all__ = [
@@ -60,6 +55,7 @@ __all__ = [
     "MetaDeviceError",
     "MissingInputError",
     "ModuleKindError",
+    "OtherRankError",
     "ParallelizeError",
     "Parallelized",
     "PartialMappingWarning",
@@ -79,6 +75,7 @@ __all__ = [
     "load_mapping",
     "parallelize",
     "plan",
+    "read_mapping",
     "save_pretrained",
     "vocab_parallel_cross_entropy",
 ]

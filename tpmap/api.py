@@ -10,38 +10,36 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tpmap.compat import check_transformers, mapping_applies
-from tpmap.engine import planner, quant_blocks, shard, shm
-from tpmap.engine.plan import Plan
-from tpmap.engine.sequence import install_sequence_parallel
-from tpmap.engine.sequence_plan import SequencePlan, plan_sequence_parallel
-from tpmap.guards import check_generate_arguments, input_check
-from tpmap.loss_parallel import use_loss_parallel
-from tpmap.spec.errors import (
+from tpmap.api_errors import (
     AlreadyAppliedError,
-    DivisibilityError,
     LossParallelError,
-    MappingError,
     MetaDeviceError,
     PartialMappingWarning,
     ProcessGroupError,
-    TpmapError,
     TransformersVersionError,
-    UnsupportedConfigError,
 )
-from tpmap.spec.schema import Mapping
-from tpmap.spec.source import LoadedMapping, SourceMap, for_model_type, load_file
+from tpmap.compat import check_transformers, mapping_applies
+from tpmap.engine import planner, quant_blocks, shard, shm
+from tpmap.engine.errors import UnsupportedConfigError
+from tpmap.engine.plan import Plan
+from tpmap.engine.sequence import install_sequence_parallel
+from tpmap.engine.sequence_plan import SequencePlan, plan_sequence_parallel
+from tpmap.input_check import check_generate_arguments, input_check
+from tpmap.language.errors import DivisibilityError, MappingError, TpmapError
+from tpmap.language.schema import Mapping
+from tpmap.language.source import MappingFile, SourceMap, for_model_type, read_file
+from tpmap.loss_parallel import use_loss_parallel
 
 PLAN_ATTR = "tpmap_plan"  # the applied Plan is kept on the model under this name
 GROUP_ATTR = "tpmap_group"  # and the process group it was sharded over (None: the default group)
 SEQUENCE_ATTR = "tpmap_sequence"  # sequence parallelism's state (engine.sequence), when it is on
 
 
-def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
+def read_mapping(model: nn.Module, mapping=None) -> MappingFile:
     """The mapping for `model`: the shipped one for its model_type, a file path, or a Mapping object. Raises
     TransformersVersionError where the installed transformers is outside tpmap's tested range or the mapping's."""
     check_transformers()
-    loaded = _load_mapping(model, mapping)
+    loaded = _read_mapping(model, mapping)
     if not mapping_applies(loaded.mapping.transformers):
         raise TransformersVersionError(
             f"the mapping needs transformers{loaded.mapping.transformers} and transformers "
@@ -50,18 +48,21 @@ def load_mapping(model: nn.Module, mapping=None) -> LoadedMapping:
     return loaded
 
 
-def _load_mapping(model: nn.Module, mapping) -> LoadedMapping:
+load_mapping = read_mapping  # its earlier name ("load" now means reading weights only); kept for existing code
+
+
+def _read_mapping(model: nn.Module, mapping) -> MappingFile:
     model_type = model.config.model_type
     if mapping is None:
         return for_model_type(model_type)
     if isinstance(mapping, (str, Path)):
-        loaded = load_file(mapping)
-    elif isinstance(mapping, LoadedMapping):
+        loaded = read_file(mapping)
+    elif isinstance(mapping, MappingFile):
         loaded = mapping
     elif isinstance(mapping, Mapping):
-        loaded = LoadedMapping(mapping, SourceMap("<mapping object>"), mapping.model_dump())
+        loaded = MappingFile(mapping, SourceMap("<mapping object>"), mapping.model_dump())
     else:
-        raise TypeError(f"mapping must be None, a path, a Mapping or a LoadedMapping, not {type(mapping).__name__}")
+        raise TypeError(f"mapping must be None, a path, a Mapping or a MappingFile, not {type(mapping).__name__}")
     if loaded.mapping.model_type != model_type:
         raise MappingError(
             f"the mapping is for model_type {loaded.mapping.model_type!r} but the model is {model_type!r}; "
@@ -152,7 +153,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     if getattr(model, PLAN_ATTR, None) is not None:
         raise AlreadyAppliedError(f"{type(model).__name__} is already tensor-parallel "
                                   f"(tp_size={getattr(model, PLAN_ATTR).tp_size}); apply it once, to the full model")
-    loaded = load_mapping(model, mapping)
+    loaded = read_mapping(model, mapping)
     group = process_group(group)
     tp_size, tp_rank = resolve_group(world_size, group)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -171,7 +172,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
                       sequence=sequence)
 
 
-def check_quantization_blocks(model: nn.Module, loaded: LoadedMapping, plan: Plan) -> None:
+def check_quantization_blocks(model: nn.Module, loaded: MappingFile, plan: Plan) -> None:
     """A weight quantized in blocks (per-group scales: `engine.quant_blocks`) whose block a shard boundary cuts is
     refused before anything changes, naming the tensor, the block and the world sizes up to 16 that work."""
     bad = quant_blocks.misaligned(model, plan)
@@ -216,7 +217,7 @@ def check_quantized_slicing(model: nn.Module, plan: Plan) -> None:
                     "leave this layer out of the quantization (quantize_'s filter_fn)") from e
 
 
-def check_loss_parallel(plan: Plan, loaded: LoadedMapping, model: nn.Module, loss_parallel: bool) -> None:
+def check_loss_parallel(plan: Plan, loaded: MappingFile, model: nn.Module, loss_parallel: bool) -> None:
     if loss_parallel and not any(m.style == "vocab_head" for m in plan.modules):
         raise LossParallelError(
             f"loss_parallel needs an LM head split along the vocabulary, and {loaded.source.path} has no "
@@ -287,4 +288,4 @@ def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
 
 def plan(model: nn.Module, world_size: int, *, mapping=None):
     """The plan `apply` would execute at `world_size`, without a process group and without changing `model`."""
-    return planner.build_plan(model, load_mapping(model, mapping), world_size)
+    return planner.build_plan(model, read_mapping(model, mapping), world_size)

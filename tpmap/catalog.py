@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tpmap.compat import PROVEN, TRANSFORMERS
 from tpmap.engine import planner
-from tpmap.spec import source
+from tpmap.language import source
 
 GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "MTModel")  # Reformer, Marian
 
@@ -99,7 +99,7 @@ def rows() -> list[Row]:
 
     out = []
     for model_type, path in source.shipped_files().items():
-        loaded = source.load_file(path)
+        loaded = source.read_file(path)
         mapping = loaded.mapping
         forward, gradient, generate = proven_checks(mapping)
         notes = []

@@ -15,7 +15,7 @@ import sys
 
 def _verify(args) -> int:
     from tpmap import verify
-    from tpmap.spec import source
+    from tpmap.language import source
 
     shipped = list(source.shipped_files())
     refs = shipped if args.all else args.model_types
@@ -102,7 +102,7 @@ def _lint(args) -> int:
 def _schema(args) -> int:
     import json
 
-    from tpmap.spec.schema import json_schema
+    from tpmap.language.schema import json_schema
 
     print(json.dumps(json_schema(), indent=2))
     return 0
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from tpmap.spec.errors import TpmapError
+    from tpmap.language.errors import TpmapError
 
     args = build_parser().parse_args(argv)
     try:

@@ -14,8 +14,8 @@ import warnings
 
 import transformers
 
-from tpmap.spec.errors import TransformersVersionError
-from tpmap.spec.schema import release_matches
+from tpmap.api_errors import TransformersVersionError
+from tpmap.language.schema import release_matches
 
 TRANSFORMERS = ">=5.23,<5.25"
 PROVEN = ("5.23.0", "5.24.0")  # the oldest and the newest release of the range: what .ci/run installs

@@ -7,9 +7,9 @@ import functools
 import torch
 from torch import nn
 
+from tpmap.api_errors import LossParallelError
 from tpmap.engine.layers import VocabParallelLMHead
 from tpmap.engine.loss import hf_loss_function, sharded_cross_entropy
-from tpmap.spec.errors import LossParallelError
 
 
 def use_loss_parallel(model: nn.Module, head: VocabParallelLMHead) -> None:

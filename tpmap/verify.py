@@ -20,16 +20,11 @@ import torch
 
 import tpmap
 from tpmap.engine.collectives import counting_collectives
-from tpmap.launch import RankFailure, RankPool
-from tpmap.spec import expr
-from tpmap.spec.errors import (
-    ConfigAttributeError,
-    DivisibilityError,
-    MappingError,
-    MissingInputError,
-    TpmapError,
-)
-from tpmap.spec.source import for_model_type, load_file
+from tpmap.language import expr
+from tpmap.language.errors import ConfigAttributeError, DivisibilityError, MappingError, TpmapError
+from tpmap.language.source import for_model_type, read_file
+from tpmap.parallelize.rank_processes import RankFailure, RankPool
+from tpmap.tool_errors import MissingInputError
 
 RTOL = 1e-5
 INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head split hides at 1e-6
@@ -37,10 +32,10 @@ INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head s
 
 # -- building the embedded tiny models (used by verify, the tests and the benchmarks) ---------------
 def resolve(ref: str):
-    """A LoadedMapping from a model type (shipped mapping) or a path to a YAML file."""
+    """A MappingFile from a model type (shipped mapping) or a path to a YAML file."""
     from pathlib import Path
 
-    return load_file(ref) if ref.endswith((".yaml", ".yml")) or Path(ref).is_file() else for_model_type(ref)
+    return read_file(ref) if ref.endswith((".yaml", ".yml")) or Path(ref).is_file() else for_model_type(ref)
 
 
 def tiny_config(ref: str, verify_index: int = 0):
@@ -76,7 +71,7 @@ def large_init_(model: torch.nn.Module, seed: int, std: float = INIT_STD) -> Non
 def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int = 10, seed: int | None = None,
                    pad: int = 3, world_sizes=(2, 3, 4)) -> dict:
     """Example inputs for `model`, following its class, plus the `declared` ones (a verify config's
-    ``inputs``: name -> `tpmap.spec.schema.ExampleInput`), which add to or replace the derived ones by name.
+    ``inputs``: name -> `tpmap.language.schema.ExampleInput`), which add to or replace the derived ones by name.
 
     Derived: when the main input (``model.main_input_name``) is ``input_ids``, `batch` sequences of
     `seq` token ids in [3, vocab_size) and an ``attention_mask`` whose last row is right-padded by

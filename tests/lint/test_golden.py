@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tpmap import compat
-from tpmap.spec import source
+from tpmap.language import source
 
 _spec = importlib.util.spec_from_file_location("tpmap_lint_regen", Path(__file__).with_name("regen.py"))
 regen = importlib.util.module_from_spec(_spec)
@@ -90,7 +90,7 @@ def test_shipped_mappings_are_clean_and_lint_loads_no_weights_and_starts_no_proc
     assert status == 0 and out.splitlines()[-1] == f"{len(files)} files linted, no errors", out
     # the only diagnostics: a note for each mapping whose own range excludes the installed release (not checked)
     outside = [f"mappings/{f.name}" for f in files
-               if not compat.mapping_applies(source.load_file(f).mapping.transformers)]
+               if not compat.mapping_applies(source.read_file(f).mapping.transformers)]
     notes = [line.split(":", 1)[0] for line in out.splitlines() if ": note: not checked: the mapping needs" in line]
     assert notes == outside and out.count(": note: ") == len(outside) and ": error: " not in out, out
     assert not (dist.is_available() and dist.is_initialized())
@@ -206,7 +206,7 @@ def test_subprocess_exit_codes_and_output():
 
 def test_schema_command(capsys):
     from tpmap.cli import main
-    from tpmap.spec.schema import Mapping
+    from tpmap.language.schema import Mapping
 
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
@@ -217,7 +217,7 @@ def test_schema_command(capsys):
 
 
 def test_shipped_schema_file_is_current_and_referenced():
-    from tpmap.spec.schema import json_schema
+    from tpmap.language.schema import json_schema
 
     shipped = json.loads((ROOT / "mappings" / "mapping.schema.json").read_text())
     assert shipped == json_schema(), "regenerate it: tpmap schema > mappings/mapping.schema.json"

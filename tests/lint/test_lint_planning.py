@@ -10,8 +10,8 @@ from helpers import edited, edited_copy, mapping_text, replaced
 from transformers import AutoConfig
 
 from tpmap.engine import planner
-from tpmap.spec import source
-from tpmap.spec.errors import TpmapError
+from tpmap.language import source
+from tpmap.language.errors import TpmapError
 
 
 def tiny(model_type: str):
@@ -95,8 +95,8 @@ def test_the_reduced_default_config_cuts_every_per_layer_kind_list_of_a_sub_conf
 def test_default_config_patches_a_default_transformers_cannot_build(tmp_path):
     """DBRX's default config does not build in transformers 5.24; the mapping's default_config supplies the
     two missing values, without which lint can only report model-build (and checks no world size)."""
+    from tpmap.language import source
     from tpmap.lint import lint_file
-    from tpmap.spec import source
 
     text = mapping_text("dbrx")
     assert lint_file(str(source.shipped_files()["dbrx"])) == []

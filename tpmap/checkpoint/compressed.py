@@ -36,15 +36,11 @@ from pathlib import Path
 import torch
 
 from tpmap.checkpoint.conversion import _ranges
+from tpmap.checkpoint.errors import CheckpointError, QuantizedCheckpointError, UnquantizedActivationsWarning
 from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
 from tpmap.engine import quant_blocks
-from tpmap.engine.plan import ParamShard, Plan
+from tpmap.engine.plan import ParamLayout, Plan
 from tpmap.engine.slice_io import Scratch, read_local, read_whole
-from tpmap.spec.errors import (
-    CheckpointError,
-    QuantizedCheckpointError,
-    UnquantizedActivationsWarning,
-)
 
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized")  # the ones tested
@@ -133,7 +129,7 @@ class CompressedWeights:
         unit = 32 // math.gcd(32, bits) if self.format == "pack-quantized" else 1
         return math.lcm(unit, (args.group_size if _value(args.strategy) == "group" else 1) or 1)
 
-    def read(self, stored: StoredTensor, shard: ParamShard | None, rank: int, dtype: torch.dtype,
+    def read(self, stored: StoredTensor, shard: ParamLayout | None, rank: int, dtype: torch.dtype,
              device: torch.device, scratch: Scratch) -> torch.Tensor:
         """`stored` dequantized to `dtype` on `device`: whole, or this rank's local tensor as `take` would cut it
         from the dequantized full tensor."""
@@ -277,5 +273,5 @@ def _logical_shape(data: StoredTensor, shape: StoredTensor | None) -> tuple[int,
 
 
 def _read(t: StoredTensor, dim: int, runs, scratch: Scratch) -> torch.Tensor:
-    shard = ParamShard(name=t.name, full_shape=t.shape, dim=dim, pieces=(tuple(runs),))
+    shard = ParamLayout(name=t.name, full_shape=t.shape, dim=dim, pieces=(tuple(runs),))
     return read_local(t.read_into, shard, 0, t.dtype, scratch)

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpmap.checkpoint.errors import CheckpointError
 from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import take
 from tpmap.engine.slice_io import Scratch, read_local, read_whole
-from tpmap.spec.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class Reader:
         release_freed_memory()
         return self._done(out)
 
-    def local(self, name: str, shard: ParamShard, rank: int) -> torch.Tensor:
+    def local(self, name: str, shard: ParamLayout, rank: int) -> torch.Tensor:
         """This rank's tensor, as `take(whole(name), shard, rank)` would give it, reading only its slice."""
         source, dtype = self.sources[name], self.dtype_of(name)
         if source.converter is None:
@@ -239,7 +239,7 @@ class Reader:
     def _rows(self, stored: StoredTensor, runs, dim: int | None, dtype: torch.dtype) -> torch.Tensor:
         """The runs of rows ((start, length), ...) along `dim` of a stored tensor (None: all of it), in `dtype`
         on the CPU; block-quantized weights dequantized first, as transformers does before converting."""
-        rows = None if runs is None else ParamShard(name=stored.name, full_shape=stored.shape, dim=dim, pieces=(runs,))
+        rows = None if runs is None else ParamLayout(name=stored.name, full_shape=stored.shape, dim=dim, pieces=(runs,))
         if self.scale_of(stored) is not None:
             part = self.dequantizer.read(stored, rows, 0, dtype, torch.device("cpu"), self.scratch)
         elif rows is None:
@@ -283,14 +283,14 @@ class Reader:
                       "converted tensor in memory at a time; benchmarks/load.py --whole-conversions measures it)",
                       stacklevel=2)
 
-    def _selection_for(self, name: str, source: Source, shard: ParamShard, rank: int) -> _Selection | None:
+    def _selection_for(self, name: str, source: Source, shard: ParamLayout, rank: int) -> _Selection | None:
         key = ("selection", id(source.converter), name, tuple(t.shape for _, t in source.stored), shard.full_shape,
                shard.dim, shard.pieces[rank])
         if key not in self._lazy:
             self._lazy[key] = _plan_selection(source, name, shard, rank, self.model)
         return self._lazy[key]
 
-    def _read_selection(self, name: str, source: Source, shard: ParamShard, rank: int, picked: _Selection,
+    def _read_selection(self, name: str, source: Source, shard: ParamLayout, rank: int, picked: _Selection,
                         dtype: torch.dtype) -> torch.Tensor:
         """The rank's slice of a converted tensor that is a selection of stored rows: those rows read (sorted
         runs of each stored tensor), put in the converter's order; the converter itself does not run."""
@@ -305,7 +305,7 @@ class Reader:
         out = _padded(out, shard, rank)
         return out.contiguous()
 
-    def _plan_for(self, name: str, source: Source, shard: ParamShard, rank: int) -> _Lazy | None:
+    def _plan_for(self, name: str, source: Source, shard: ParamLayout, rank: int) -> _Lazy | None:
         key = (id(source.converter), name.rsplit(".", 1)[-1], tuple(t.shape for _, t in source.stored),
                shard.full_shape, shard.dim, shard.pieces[rank])
         if key not in self._lazy:
@@ -313,7 +313,7 @@ class Reader:
         return self._lazy[key]
 
 
-def _padded(out: torch.Tensor, shard: ParamShard, rank: int) -> torch.Tensor:
+def _padded(out: torch.Tensor, shard: ParamLayout, rank: int) -> torch.Tensor:
     """`out` with zero rows after it along the split dim up to the rank's local size (an uneven split's pad)."""
     pad = shard.local_shape(rank)[shard.dim] - out.shape[shard.dim]
     if not pad:
@@ -379,7 +379,7 @@ def _probe(source: Source, name: str, dim: int | None, rows, shift: float, model
     return result if isinstance(result, torch.Tensor) and result.dtype == torch.float64 else None
 
 
-def _plan_lazy(source: Source, name: str, shard: ParamShard, rank: int, model) -> _Lazy | None:
+def _plan_lazy(source: Source, name: str, shard: ParamLayout, rank: int, model) -> _Lazy | None:
     """A `_Lazy` for this rank's slice of the converted tensor `name`, or None if the conversion cannot
     be sliced (see the module docstring)."""
     if len(source.produces) != 1 or _stored_ops(source, model) is None or any(
@@ -432,7 +432,7 @@ class _Selection:
 _ORIGIN, _ROW = 2.0 ** 40, 2.0 ** 8  # selection probe value = origin * _ORIGIN + row * _ROW + position in other dims
 
 
-def _plan_selection(source: Source, name: str, shard: ParamShard, rank: int, model) -> _Selection | None:
+def _plan_selection(source: Source, name: str, shard: ParamLayout, rank: int, model) -> _Selection | None:
     """A `_Selection` when the converter's output `name` is a selection of stored rows along the split dim
     (a one-to-many ``Chunk`` of fused q|k|v, an ``Interleave`` then ``Chunk``), else None.
 
@@ -554,7 +554,7 @@ def equal(reader: Reader, a: str, b: str) -> bool:
     step = max(1, (64 << 20) // max(1, math.prod(ta.shape[1:]) * 4))
     for start in range(0, rows, step):
         n = min(step, rows - start)
-        block = ParamShard(name=a, full_shape=ta.shape, dim=0, pieces=(((start, n),),))
+        block = ParamLayout(name=a, full_shape=ta.shape, dim=0, pieces=(((start, n),),))
         x = read_local(ta.read_into, block, 0, ta.dtype).to(reader.dtype_of(a))
         y = read_local(tb.read_into, block, 0, tb.dtype).to(reader.dtype_of(b))
         if not torch.equal(x, y):

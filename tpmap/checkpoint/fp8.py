@@ -11,7 +11,7 @@ alike, before any collective), and takes the scales out of the checkpoint's name
 sees the weights alone. `Fp8Scales.read` then reads one rank's slice of a weight -- the plan's pieces, through
 `engine.slice_io.read_local`, so the rank reads only its own bytes of the float8 tensor -- and the rows
 (split dim 0) or columns (split dim 1) of the scale that its slice touches: the scale of element ``i`` of
-the split dim is row ``i // B`` of the scale for the *full-tensor* index ``i`` (`ParamShard.indices`), so a
+the split dim is row ``i // B`` of the scale for the *full-tensor* index ``i`` (`ParamLayout.indices`), so a
 slice that starts or ends inside a block, fused sections and replicated KV heads come out exact.
 
 The arithmetic is transformers' own (`Fp8Dequantize._dequantize_one`, what its loader runs on CPU: the
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from tpmap.checkpoint.conversion import _ranges
+from tpmap.checkpoint.errors import CheckpointError, QuantizedCheckpointError
 from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.slice_io import Scratch, read_local, read_whole
-from tpmap.spec.errors import CheckpointError, QuantizedCheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -119,7 +119,7 @@ class Fp8Scales:
     def scale_of(self, stored: StoredTensor) -> StoredTensor | None:
         return self.scales.get(stored.name)
 
-    def read(self, stored: StoredTensor, shard: ParamShard | None, rank: int, dtype: torch.dtype,
+    def read(self, stored: StoredTensor, shard: ParamLayout | None, rank: int, dtype: torch.dtype,
              device: torch.device, scratch: Scratch) -> torch.Tensor:
         """`stored` dequantized to `dtype` on `device`: whole (`shard` None, or a shard kept whole), or this
         rank's local tensor as `take` would cut it from the dequantized full tensor (pieces, padding, partial)."""
@@ -134,7 +134,7 @@ class Fp8Scales:
             dim, held = shard.dim, torch.tensor(shard.indices(rank), dtype=torch.long)
             q = read_local(stored.read_into, shard, rank, stored.dtype, scratch, in_scratch=True)
             blocks = sorted(set((held // self.block[dim]).tolist()))  # the scale rows (or columns) the slice touches
-            s = read_local(scale.read_into, ParamShard(name=scale.name, full_shape=scale.shape, dim=dim,
+            s = read_local(scale.read_into, ParamLayout(name=scale.name, full_shape=scale.shape, dim=dim,
                                                        pieces=(_ranges(blocks),)), 0, scale.dtype, scratch)
         result = out = torch.empty(q.shape, dtype=dtype, device=device)
         if dim is not None and len(held) < q.shape[dim]:  # padded (uneven vocabulary): zeros after the held rows

@@ -33,12 +33,14 @@ from torch import nn
 
 from tpmap import api
 from tpmap.checkpoint import compressed, conversion, quantize
+from tpmap.checkpoint.errors import CheckpointError, OtherRankError
 from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
+from tpmap.engine.errors import UnsupportedConfigError
 from tpmap.engine.sequence_plan import plan_sequence_parallel
 from tpmap.engine.shard import take
-from tpmap.spec.errors import CheckpointError, LoadError, TpmapError, UnsupportedConfigError
+from tpmap.language.errors import TpmapError
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
@@ -106,7 +108,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     dequantizer = Fp8Scales.take(checkpoint, block) if block is not None else None
     if compressed.is_compressed(model.config):  # compressed-tensors: paired and checked like FP8's scales
         dequantizer = compressed.CompressedWeights.take(checkpoint, folder, model.config)
-    loaded = api.load_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
+    loaded = api.read_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
     if isinstance(dequantizer, compressed.CompressedWeights):
@@ -192,7 +194,7 @@ def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapp
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
         weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
                    if compressed.is_compressed(model.config) else None)
-        loaded = api.load_mapping(model, mapping)
+        loaded = api.read_mapping(model, mapping)
         plan = planner.build_plan(model, loaded, world_size)
         if weights is not None:
             conversions = get_model_conversion_mapping(model, request.key_mapping, None)
@@ -385,14 +387,14 @@ def _check_materialized(model: nn.Module) -> None:
 
 def _agree(failure: Exception | None, tp_size: int, group, device: torch.device) -> None:
     """Every rank learns whether any rank failed while reading; a rank that failed raises its error,
-    the others a LoadError, so none goes on to wait in a collective that a failed rank never joins."""
+    the others a OtherRankError, so none goes on to wait in a collective that a failed rank never joins."""
     if tp_size > 1:
         on = device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
         flag = torch.tensor([0 if failure is None else 1], device=on)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if failure is None and flag.item():
-            raise LoadError("tpmap.from_pretrained failed on another rank (its error says why); this rank's model is "
-                            "incomplete there, so it is not returned")
+            raise OtherRankError("tpmap.from_pretrained failed on another rank (its error says why); this rank's "
+                                 "model is incomplete there, so it is not returned")
     if failure is not None:
         raise failure
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap.engine import quant_blocks
-from tpmap.engine.plan import ParamShard, Plan
-from tpmap.spec.errors import UnsupportedConfigError
+from tpmap.engine.errors import UnsupportedConfigError
+from tpmap.engine.plan import ParamLayout, Plan
 
 Kind = str  # "slice": quantize the slice as it is; "rows": rows span ranks; "tensor": one block, the whole weight
 
@@ -142,7 +142,7 @@ def _check_widened_slice(name: str, quant_type, local_shape) -> None:
             "divide each rank's share, or leave this layer out (modules_to_not_convert)") from e
 
 
-def _kind(shard: ParamShard | None, width: int, block: tuple[int, int]) -> Kind:
+def _kind(shard: ParamLayout | None, width: int, block: tuple[int, int]) -> Kind:
     rows, cols = block
     split = shard is not None and shard.dim is not None
     if rows > 1:  # one block over all rows (the probe had 2): per tensor

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tpmap.spec.errors import CheckpointError
+from tpmap.checkpoint.errors import CheckpointError
 
 DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,

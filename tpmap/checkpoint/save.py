@@ -111,7 +111,7 @@ def save_pretrained(model: nn.Module, save_directory, *, group=None, **hf_kwargs
 
 
 def _full_layout(model: nn.Module, plan, group) -> dict[str, tuple[tuple[int, ...], torch.dtype, object]]:
-    """Every state-dict key of the unsharded model -> (full shape, dtype, how to get it): a ParamShard
+    """Every state-dict key of the unsharded model -> (full shape, dtype, how to get it): a ParamLayout
     (split, or partial), "local" (whole on every rank) or ("item", owner rank) for a tensor inside an
     item of a ModuleList cut by a Param entry, held by one rank only (and whether it is a parameter)."""
     shards = {}

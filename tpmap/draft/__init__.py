@@ -49,11 +49,11 @@ from tpmap.draft.entries import (
 )
 from tpmap.draft.names import TINY, WORLD_SIZES
 from tpmap.draft.render import Draft
-from tpmap.spec.errors import DraftError
+from tpmap.tool_errors import DraftError
 
 
 def draft(model_type: str) -> str:
-    """The draft mapping of `model_type` as YAML text; it loads with `tpmap.spec.source.load_text`.
+    """The draft mapping of `model_type` as YAML text; it loads with `tpmap.language.source.load_text`.
     Raises DraftError when no draft can be made (the config or model does not build, no pairs)."""
     patch = shipped_patch(model_type)
     config, overrides, notes, cls, model = tiny_model(model_type, patch)

@@ -17,10 +17,11 @@ from tpmap.draft.names import (
     SPECIAL_TOKENS,
     TINY,
 )
+from tpmap.language import source
+from tpmap.language.errors import did_you_mean
 from tpmap.meta import auto_classes, reduced_default_config
 from tpmap.meta import build_meta as build_meta_model
-from tpmap.spec import source
-from tpmap.spec.errors import DraftError, did_you_mean
+from tpmap.tool_errors import DraftError
 
 
 def size_kind(key: str) -> str | None:
@@ -142,7 +143,7 @@ def merged(base: dict, over: dict) -> dict:
 def shipped_patch(model_type: str) -> dict:
     """The `default_config` of the shipped mapping of `model_type`, if there is one ({} otherwise)."""
     files = source.shipped_files()
-    return dict(source.load_file(files[model_type]).mapping.default_config) if model_type in files else {}
+    return dict(source.read_file(files[model_type]).mapping.default_config) if model_type in files else {}
 
 
 # -- 2. the model class ---------------------------------------------------------------------------

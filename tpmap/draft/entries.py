@@ -23,8 +23,8 @@ from tpmap.draft.analysis import (
 from tpmap.draft.names import PER_HEAD_ATTRIBUTE, PLAN_COLUMN, PLAN_ROW, SIZE_ATTRIBUTE
 from tpmap.engine import planner
 from tpmap.engine.planner import resolve_attr
-from tpmap.spec import expr
-from tpmap.spec.patterns import match_modules
+from tpmap.language import expr
+from tpmap.language.patterns import match_modules
 
 
 @dataclass

@@ -6,8 +6,9 @@ import textwrap
 from dataclasses import dataclass, field
 
 from tpmap.draft.entries import Entry
-from tpmap.spec.errors import DraftError, MappingErrors
-from tpmap.spec.source import load_text
+from tpmap.language.errors import MappingErrors
+from tpmap.language.source import load_text
+from tpmap.tool_errors import DraftError
 
 WIDTH = 110
 YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}  # plain, YAML reads them as non-strings

@@ -3,7 +3,7 @@
 Two layers of rules, all reported in one run (see `RULES` for the ids):
 
 * schema rules -- YAML syntax, duplicate keys, unknown keys and kinds, wrong types, invalid
-  expressions (`tpmap.spec.source`); config attributes the model type's config does not have;
+  expressions (`tpmap.language.source`); config attributes the model type's config does not have;
 * structural rules -- the mapping against the real model, built on the meta device (no weights, no
   process group) from the model type's default config and from each embedded tiny config: patterns
   match, parameters are claimed once, sizes and sections fit, Update attributes exist, every weight in
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpmap.language import source
+from tpmap.language.errors import MappingError, MappingErrors
+from tpmap.language.source import shipped_dir
 from tpmap.lint.diagnostic import RULES, Diagnostic, LintUsageError, sort
 from tpmap.lint.rules import structural
-from tpmap.spec import source
-from tpmap.spec.errors import MappingError, MappingErrors
-from tpmap.spec.source import shipped_dir
 
 __all__ = ["RULES", "Diagnostic", "LintUsageError", "collect_files", "lint_file", "lint_paths", "sort"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpmap.spec.errors import Position, TpmapError
+from tpmap.language.errors import Position, TpmapError
 
 # rule id -> what it checks (docs/lint.md's table lists the same ids with an example each)
 RULES: dict[str, str] = {

@@ -29,18 +29,18 @@ from transformers.pytorch_utils import Conv1D
 from tpmap.compat import PROVEN, mapping_applies
 from tpmap.engine import planner
 from tpmap.engine.blocks import block_of, block_prefixes
-from tpmap.lint.diagnostic import Diagnostic
-from tpmap.meta import auto_classes, build_meta, config_keys, reduced_default_config
-from tpmap.spec import expr
-from tpmap.spec.errors import TpmapError, did_you_mean
-from tpmap.spec.patterns import (
+from tpmap.language import expr
+from tpmap.language.errors import TpmapError, did_you_mean
+from tpmap.language.patterns import (
     generic_pattern,
     match_entry,
     match_modules,
     suggest_module,
 )
-from tpmap.spec.schema import Column, Param, Row, config_matches, config_value, layer_selected, release_matches
-from tpmap.spec.source import LoadedMapping
+from tpmap.language.schema import Column, Param, Row, config_matches, config_value, layer_selected, release_matches
+from tpmap.language.source import MappingFile
+from tpmap.lint.diagnostic import Diagnostic
+from tpmap.meta import auto_classes, build_meta, config_keys, reduced_default_config
 
 
 # -- the lint-only rules ---------------------------------------------------------------------------
@@ -51,12 +51,12 @@ def _covered_kinds() -> tuple:
 class _Matches:
     """What each entry and replicated pattern of a mapping matches in one base model."""
 
-    def __init__(self, loaded: LoadedMapping, modules: dict):
+    def __init__(self, loaded: MappingFile, modules: dict):
         self.entries = [match_entry(e, modules) for e in loaded.mapping.entries]
         self.replicated = [match_modules(p, modules) for p in loaded.mapping.replicated_patterns]
 
 
-def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+def coverage(loaded: MappingFile, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
     """Every nn.Linear, Conv1D and nn.Embedding inside a block is sharded by a Column/Row entry or kept
     whole on purpose by a `replicated` pattern that matches it or one of its parents (strict mode)."""
     mapping = loaded.mapping
@@ -84,7 +84,7 @@ def coverage(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matche
     return out
 
 
-def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
+def replicated_clashes(loaded: MappingFile, m: _Matches) -> list[Diagnostic]:
     """No replicated pattern keeps whole (a parent of) a module that an entry shards."""
     mapping = loaded.mapping
     out = []
@@ -103,7 +103,7 @@ def replicated_clashes(loaded: LoadedMapping, m: _Matches) -> list[Diagnostic]:
     return out
 
 
-def replicated_unmatched(loaded: LoadedMapping, hit: set[tuple], names: list[str], model_names: list[str],
+def replicated_unmatched(loaded: MappingFile, hit: set[tuple], names: list[str], model_names: list[str],
                          prefix: str) -> list[Diagnostic]:
     """A replicated pattern must match a module in at least one of the models built (a pooler, say,
     exists in some classes only). `hit`: the places (`_place`) of the patterns that matched."""
@@ -116,7 +116,7 @@ def replicated_unmatched(loaded: LoadedMapping, hit: set[tuple], names: list[str
     ]
 
 
-def _failed_compose(loaded: LoadedMapping, expanded: LoadedMapping) -> list[str]:
+def _failed_compose(loaded: MappingFile, expanded: MappingFile) -> list[str]:
     """The module prefixes ('language_model.') of the compose items that did not expand (an error said why)."""
     reached = {s.prefix for s in expanded.scopes.values()}
     return [c.module + "." for c in loaded.mapping.compose
@@ -154,7 +154,7 @@ def _sequential_input_side(modules: dict, weights: list[str], m: _Matches, colum
     return out
 
 
-def pairing(loaded: LoadedMapping, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
+def pairing(loaded: MappingFile, modules: dict, blocks: list[str], m: _Matches) -> list[Diagnostic]:
     """Column -> Row pairing, by the nearest weights around each sharded module.
 
     Definition: the *weights* are the nn.Linear, Conv1D and nn.Embedding modules. For a Column
@@ -253,7 +253,7 @@ class _Report:
             self.add(Diagnostic.from_error(e), label)
 
 
-def structural(loaded: LoadedMapping) -> list[Diagnostic]:
+def structural(loaded: MappingFile) -> list[Diagnostic]:
     """Every problem of a mapping that passed the schema, found against the real model classes."""
     mapping, src = loaded.mapping, loaded.source
     report = _Report()
@@ -416,7 +416,7 @@ def structural(loaded: LoadedMapping) -> list[Diagnostic]:
     return report.items
 
 
-def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> list[Diagnostic]:
+def when_attributes(loaded: MappingFile, default, valid_keys: set[str]) -> list[Diagnostic]:
     """A `when` key the config class does not define reads null on every config that lacks it, which is
     rarely what the model does: transformers reads such attributes with its own default
     (``getattr(config, "share_att_key", False)``), so the mapping must declare that default in
@@ -444,7 +444,7 @@ def when_attributes(loaded: LoadedMapping, default, valid_keys: set[str]) -> lis
     return out
 
 
-def release_never(loaded: LoadedMapping) -> list[Diagnostic]:
+def release_never(loaded: MappingFile) -> list[Diagnostic]:
     """An entry (or grad_allreduce item) whose `transformers` range admits none of the releases tpmap proves
     (compat.PROVEN) is never applied nor proven: widen the range or remove it."""
     items = [(("entries", i), f"entry {i} ({e.kind} {e.module!r})", e.transformers)
@@ -459,7 +459,7 @@ def release_never(loaded: LoadedMapping) -> list[Diagnostic]:
             if spec is not None and not any(release_matches(spec, v) for v in PROVEN)]
 
 
-def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
+def when_never(loaded: MappingFile, configs: list) -> list[Diagnostic]:
     """An entry whose `when` matches none of the configs lint checks is never checked nor proven: add a
     verify config of that variant, or fix the condition. `configs`: the default config first, then the verify ones."""
     out = []
@@ -490,7 +490,7 @@ def when_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
     return out
 
 
-def layer_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
+def layer_never(loaded: MappingFile, configs: list) -> list[Diagnostic]:
     """An entry whose `when_layer` selects no layer of any config lint checks (where its `when` matches) is never
     checked nor proven: add a verify config with such a layer, or fix the value."""
     out = []
@@ -519,7 +519,7 @@ def layer_never(loaded: LoadedMapping, configs: list) -> list[Diagnostic]:
     return out
 
 
-def verify_inputs(loaded: LoadedMapping, v: int, classes: list, known: set[str], config=None) -> list[Diagnostic]:
+def verify_inputs(loaded: MappingFile, v: int, classes: list, known: set[str], config=None) -> list[Diagnostic]:
     """The example inputs of verify config `v` (what `tpmap.verify.example_inputs` will make): every
     class's main input is input_ids (derived) or declared; declared names are arguments of every
     class's forward; their shapes and token runs name config attributes (`known`: the config's keys; a

@@ -1,6 +1,6 @@
 """Composed mappings: a file that maps a model by reusing other files for its sub-models.
 
-A mapping's ``compose`` items (`tpmap.spec.schema.Compose`) name sub-models -- a vision tower, a language
+A mapping's ``compose`` items (`tpmap.language.schema.Compose`) name sub-models -- a vision tower, a language
 model -- by module path and sub-config, each mapped by another file (by default the one of the
 sub-config's own ``model_type``)::
 
@@ -14,7 +14,7 @@ its module patterns prefixed with the sub-model's base model (patterns stay rela
 own base model, as when the file maps a whole model), and each carries a `Scope`: the sub-config its
 expressions and ``when`` read, and where it came from. The source positions of appended items are those
 of their own file, so an error in a composed entry points at its own line and its message
-(`LoadedMapping.label`) says which file and module composed it. Everything after the expansion -- the
+(`MappingFile.label`) says which file and module composed it. Everything after the expansion -- the
 planner, lint, sequence parallelism, checkpoints -- sees ordinary entries. A composed file's
 ``vocab_parallel``, ``verify``, ``world_sizes`` and ``default_config`` are not used.
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tpmap.spec.errors import MappingError, MappingErrors, PatternMatchError, TpmapError, did_you_mean
-from tpmap.spec.schema import Compose, KeptWhole, OwnParams
-from tpmap.spec.source import LoadedMapping, Scope, SourceMap, load_file, shipped_files
+from tpmap.language.errors import MappingError, MappingErrors, PatternMatchError, TpmapError, did_you_mean
+from tpmap.language.schema import Compose, KeptWhole, OwnParams
+from tpmap.language.source import MappingFile, Scope, SourceMap, read_file, shipped_files
 
 # a module path -> (pattern prefix of its own base model, e.g. "vision_tower.vision_model.", and a description
 # of it for messages, e.g. "model.vision_tower (CLIPVisionModel)"), or None when there is no such module
@@ -38,8 +38,8 @@ SECTIONS = ("entries", "replicated", "grad_allreduce", "unsupported")  # the lis
 MAX_DEPTH = 8  # composed files composing others: far above any real model (2)
 
 
-def expand(loaded: LoadedMapping, config, submodel: SubModels, names: Sequence[str],
-           errors: list[TpmapError] | None = None, _seen: tuple[str, ...] = ()) -> LoadedMapping:
+def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str],
+           errors: list[TpmapError] | None = None, _seen: tuple[str, ...] = ()) -> MappingFile:
     """`loaded` with its ``compose`` items expanded over one model (see the module docstring); `loaded`
     itself when it composes nothing.
 
@@ -76,7 +76,7 @@ def expand(loaded: LoadedMapping, config, submodel: SubModels, names: Sequence[s
                     via=f"{inner.via}, {via}" if inner else via)
                 _copy_positions(sub.source, (section, j), source, (section, n))
     expanded = mapping.model_copy(update={"compose": [], **lists})
-    return LoadedMapping(expanded, source, loaded.data, scopes)
+    return MappingFile(expanded, source, loaded.data, scopes)
 
 
 def _absent(item: Compose, config, submodel: SubModels) -> bool:
@@ -87,8 +87,8 @@ def _absent(item: Compose, config, submodel: SubModels) -> bool:
     return sub_config is None and submodel(item.module) is None
 
 
-def _part(loaded: LoadedMapping, k: int, item: Compose, config, submodel: SubModels, names: Sequence[str],
-          errors, seen) -> tuple[LoadedMapping, str, tuple[str, ...], str]:
+def _part(loaded: MappingFile, k: int, item: Compose, config, submodel: SubModels, names: Sequence[str],
+          errors, seen) -> tuple[MappingFile, str, tuple[str, ...], str]:
     """(the composed file, expanded in turn over the sub-model; its pattern prefix; the sub-config's path;
     the 'composed as ...' phrase) for compose item `k`."""
     src = loaded.source
@@ -147,10 +147,10 @@ def _part(loaded: LoadedMapping, k: int, item: Compose, config, submodel: SubMod
     return sub, prefix, path, via
 
 
-_CACHE: dict[tuple, LoadedMapping] = {}
+_CACHE: dict[tuple, MappingFile] = {}
 
 
-def _load(path: str) -> LoadedMapping:
+def _load(path: str) -> MappingFile:
     """A composed file, read once per version (lint and every world size plan the same files again);
     never changed by `expand`, which builds new mappings."""
     stat = Path(path).stat()
@@ -158,7 +158,7 @@ def _load(path: str) -> LoadedMapping:
     if key not in _CACHE:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        _CACHE[key] = load_file(path)
+        _CACHE[key] = read_file(path)
     return _CACHE[key]
 
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from transformers.utils.generic import TransformersKwargs
 
-from tpmap.spec.errors import InvalidCallError, did_you_mean
+from tpmap.language.errors import did_you_mean
+from tpmap.parallelize.errors import InvalidCallError
 
 _ID_INPUTS = ("input_ids", "decoder_input_ids")  # token-id arguments checked against the vocabulary
 _CACHE_INPUTS = ("cache", "past_key_values")  # transformers 5's name and the one it still accepts

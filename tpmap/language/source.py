@@ -19,15 +19,9 @@ from typing import Any
 import pydantic
 import yaml
 
-from tpmap.spec import schema
-from tpmap.spec.errors import (
-    MappingError,
-    MappingErrors,
-    Position,
-    UnknownModelTypeError,
-    did_you_mean,
-)
-from tpmap.spec.schema import ENTRY_KINDS, Mapping
+from tpmap.language import schema
+from tpmap.language.errors import MappingError, MappingErrors, Position, UnknownModelTypeError, did_you_mean
+from tpmap.language.schema import ENTRY_KINDS, Mapping
 
 
 @dataclass
@@ -49,7 +43,7 @@ class SourceMap:
 
 @dataclass(frozen=True)
 class Scope:
-    """Where an item of a composed mapping comes from (`tpmap.spec.compose`): an entry, `replicated`,
+    """Where an item of a composed mapping comes from (`tpmap.language.compose`): an entry, `replicated`,
     `grad_allreduce` or `unsupported` item of another file, applied to a sub-model."""
     index: int  # the item's index in its own file's list
     prefix: str  # added to its module patterns: the sub-model's base model, relative to this file's
@@ -63,7 +57,7 @@ class Scope:
 
 
 @dataclass
-class LoadedMapping:
+class MappingFile:
     mapping: Mapping
     source: SourceMap
     data: dict
@@ -309,7 +303,7 @@ def _pydantic_errors(err: pydantic.ValidationError, data: Any, src: SourceMap) -
     return out
 
 
-def load_text(text: str, path: str) -> LoadedMapping:
+def load_text(text: str, path: str) -> MappingFile:
     data, src = parse_yaml(text, path)
     if not isinstance(data, dict):
         raise MappingErrors([MappingError("a mapping file must be a YAML mapping with model_type, entries and verify",
@@ -320,10 +314,10 @@ def load_text(text: str, path: str) -> LoadedMapping:
         errors = _pydantic_errors(e, data, src)
         errors.sort(key=lambda m: (m.position.line, m.position.col) if m.position else (0, 0))
         raise MappingErrors(errors) from None
-    return LoadedMapping(mapping, src, data)
+    return MappingFile(mapping, src, data)
 
 
-def load_file(path: str | Path) -> LoadedMapping:
+def read_file(path: str | Path) -> MappingFile:
     """Read and validate a mapping file; a path that cannot be read is a MappingError naming it."""
     return load_text(read_text(path), str(path))
 
@@ -361,7 +355,7 @@ def shipped_files() -> dict[str, Path]:
     return {p.stem: p for p in sorted(shipped_dir().glob("*.yaml"))}
 
 
-def for_model_type(model_type: str) -> LoadedMapping:
+def for_model_type(model_type: str) -> MappingFile:
     files = shipped_files()
     if model_type not in files:
         raise UnknownModelTypeError(
@@ -369,4 +363,4 @@ def for_model_type(model_type: str) -> LoadedMapping:
             f"Supported: {', '.join(files) or '(none)'}. To add one, write mappings/{model_type}.yaml and "
             f"prove it with `tpmap lint` and `tpmap verify {model_type}`, or pass mapping=PATH to tpmap.apply."
         )
-    return load_file(files[model_type])
+    return read_file(files[model_type])

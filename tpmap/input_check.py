@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpmap.api_errors import InputMismatchError
 from tpmap.engine.collectives import all_gather_stacked
-from tpmap.spec.errors import InputMismatchError
 
 
 def _tensors(args: tuple, kwargs: dict, positional: list[str]) -> list[tuple[str, torch.Tensor]]:

@@ -1,11 +1,11 @@
 """What each worker process of `tpmap.parallelize` runs: load its shard once, then answer calls.
 
-The driver (`tpmap/driver.py`) sends these functions to every worker through `tpmap.launch.Ranks`. A
-worker keeps the model it loaded in this module between calls and runs each call as a torchrun rank
-would: the same function on the same arguments as every other worker, checked first
-(`tpmap.call_checks`) so that a bad call raises alike everywhere before any collective. The outputs are
-the same on every rank (the logits are gathered, the tokens agree), so only rank 0 sends them back:
-detached, on the CPU, without the cache (each worker holds only its own heads of it).
+The handle (`tpmap/parallelize/handle.py`) sends these functions to every worker through
+`tpmap.parallelize.rank_processes.Ranks`. A worker keeps the model it loaded in this module between calls
+and runs each call as a torchrun rank would: the same function on the same arguments as every other worker,
+checked first (`tpmap.parallelize.call_checks`) so that a bad call raises alike everywhere before any
+collective. The outputs are the same on every rank (the logits are gathered, the tokens agree), so only
+rank 0 sends them back: detached, on the CPU, without the cache (each worker holds only its own heads of it).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
-from tpmap import launch
-from tpmap.call_checks import check_forward, check_generate
 from tpmap.checkpoint.load import from_pretrained
+from tpmap.parallelize import rank_processes
+from tpmap.parallelize.call_checks import check_forward, check_generate
 
 _SPLIT_OUTPUTS = ("cache", "past_key_values")  # ModelOutput fields each worker holds its own part of
 
@@ -33,8 +33,8 @@ def load(path, *, dtype, mapping, seed: int, timeout: float, kwargs: dict) -> di
     """Load this worker's shard with `tpmap.from_pretrained` (it reads only its own slices), then set the
     collective timeout calls run under. Rank 0 answers with the configs the driver's handle shows."""
     torch.manual_seed(seed)  # whatever the checkpoint lacks is initialized alike on every worker
-    model = from_pretrained(path, device=launch.this_device(), dtype=dtype, mapping=mapping, **kwargs)
-    launch.set_collective_timeout(timeout)
+    model = from_pretrained(path, device=rank_processes.this_device(), dtype=dtype, mapping=mapping, **kwargs)
+    rank_processes.set_collective_timeout(timeout)
     _Loaded.model = model
     if dist.get_rank() != 0:
         return None
@@ -48,7 +48,7 @@ def generate(args: tuple, kwargs: dict, stream: bool):
     check_generate(model, args, kwargs)
     if stream:  # every worker gets a streamer, so every worker runs generate alike (beam search refuses one)
         kwargs = {**kwargs, "streamer": _Streamer(send=dist.get_rank() == 0)}
-    device = launch.this_device()
+    device = rank_processes.this_device()
     out = model.generate(*_to(args, device), **_to(kwargs, device))
     return _portable(out) if dist.get_rank() == 0 else None
 
@@ -60,7 +60,7 @@ def forward(args: tuple, kwargs: dict):
     named = check_forward(model, args, kwargs)
     if "use_cache" not in named and "use_cache" in inspect.signature(model.forward).parameters:
         kwargs = {**kwargs, "use_cache": False}  # a cache would stay split across the workers, unused
-    device = launch.this_device()
+    device = rank_processes.this_device()
     with torch.no_grad():
         out = model(*_to(args, device), **_to(kwargs, device))
     return _portable(out) if dist.get_rank() == 0 else None
@@ -80,7 +80,7 @@ class _Streamer(BaseStreamer):
 
     def put(self, value) -> None:
         if self.send:
-            launch.progress(value.detach().cpu())
+            rank_processes.progress(value.detach().cpu())
 
     def end(self) -> None:
         """Nothing to send: the driver ends its own streamer when the call's answer arrives."""

@@ -3,7 +3,7 @@
 Starting a process group with transformers imported costs seconds per process, so `Ranks` starts
 ``world_size`` processes once and then runs any number of importable functions on all of them. Two
 users build on it: the tests' and `tpmap verify`'s `RankPool` below, and `tpmap.parallelize`'s handle
-(`tpmap/driver.py`), whose workers keep a model between calls (`tpmap/worker.py`):
+(`tpmap/parallelize/handle.py`), whose workers keep a model between calls (`tpmap/parallelize/worker.py`):
 
     with RankPool(4) as pool:
         results = pool.run(my_module.case, "some argument", timeout=120)   # one result per rank
@@ -11,7 +11,7 @@ users build on it: the tests' and `tpmap verify`'s `RankPool` below, and `tpmap.
 How the processes are kept honest:
 
 * each rank talks to this process over its own pipe; messages are pickled by the sender
-  (`tpmap.wire`: tensors' bytes out of band), so an object that cannot be sent fails where it can be
+  (`tpmap.parallelize.wire`: tensors' bytes out of band), so an object that cannot be sent fails where it can be
   reported, never in a queue's feeder thread;
 * a rank that dies is seen at once (its process sentinel), one that does not answer within the
   task's timeout, or within `grace` seconds of another rank failing, is called hung; then every rank is
@@ -44,8 +44,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from tpmap import wire
 from tpmap.engine import shm
+from tpmap.parallelize import wire
 
 _PARENT_POLL_S = 0.2  # how often a rank checks that its parent is alive
 _STOP = None  # the message that asks a rank to leave its loop

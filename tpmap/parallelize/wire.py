@@ -1,4 +1,4 @@
-"""Messages between a driving process and its ranks over a multiprocessing pipe (`tpmap.launch`).
+"""Messages between a driving process and its ranks over a multiprocessing pipe (`tpmap.parallelize.rank_processes`).
 
 A message is pickled, except that every CPU tensor's bytes travel as a frame of their own, out of band
 (pickle protocol 5): a large answer, such as a forward's logits, is copied neither into the pickle nor out

@@ -42,12 +42,12 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
 
 from tpmap.engine import rng
 from tpmap.engine.layers import ColumnParallelLinear, VocabParallelLMHead
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import all_reduced, sum_over_holders, take
 
-SHARD_ATTR = "tpmap_weight_shard"  # set on each Column/Row by `prepare`: the ParamShard of its weight
+SHARD_ATTR = "tpmap_weight_shard"  # set on each Column/Row by `prepare`: the ParamLayout of its weight
 SEED_ATTR = "tpmap_lora_seed"  # and the seed fresh adapters are drawn from, the same on every rank
-PARAM_SHARDS_ATTR = "tpmap_param_shards"  # on a module holding tensors Param entries split: {tensor name: ParamShard}
+PARAM_SHARDS_ATTR = "tpmap_param_shards"  # on a module holding tensors Param entries split: {tensor name: ParamLayout}
 OWNER_GROUP_ATTR = "tpmap_lora_group"  # and the group it was sharded over (None: the default group)
 
 
@@ -79,7 +79,7 @@ class ParallelLoraLinear(_LoraLinear):
         self._hook_partial_gradients(adapter_name)
 
     # -- the two halves of the math -------------------------------------------------------------------
-    def _split(self) -> tuple[bool, ParamShard, int, object]:
+    def _split(self) -> tuple[bool, ParamLayout, int, object]:
         layer = self.get_base_layer()
         group = layer.tp_group
         column = isinstance(layer, (ColumnParallelLinear, VocabParallelLMHead))
@@ -94,7 +94,7 @@ class ParallelLoraLinear(_LoraLinear):
         full_out, full_in = shard.full_shape[::-1] if reverse else shard.full_shape
         _draw_like_unsharded(self, adapter_name, init, full_in, full_out, shard.name, rank)
 
-    def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
+    def adapter_shard(self, which: str, adapter_name: str) -> ParamLayout | None:
         """How lora_A or lora_B (`which`: "A" or "B") of an adapter is spread: B's rows of a Column, A's
         columns of a Row, as the base weight's out or in features; None for the whole one."""
         column, shard, _, _ = self._split()
@@ -102,7 +102,7 @@ class ParallelLoraLinear(_LoraLinear):
             return None
         r = self.r[adapter_name]
         features = shard.full_shape[shard.dim]  # the base weight's split features (out of a Column, in of a Row)
-        return ParamShard(name=f"lora_{which}", full_shape=(features, r) if column else (r, features),
+        return ParamLayout(name=f"lora_{which}", full_shape=(features, r) if column else (r, features),
                           dim=0 if column else 1, pieces=shard.pieces, replicated_heads=shard.replicated_heads,
                           local_size=shard.local_size)  # (a vocabulary's padded rows: zeros, never read)
 
@@ -194,7 +194,7 @@ class ParallelParamWrapper(peft.tuners.lora.ParamWrapper):
                              "entry splits; target them with LoraConfig(target_parameters=[...]) instead")
         super().__init__(base_layer, adapter_name, parameter_name=parameter_name, config=config, **kwargs)
 
-    def _shard(self) -> ParamShard | None:
+    def _shard(self) -> ParamLayout | None:
         """The Param entry's shard of the wrapped tensor when it splits it inside every expert, else None."""
         shard = self.get_base_layer().__dict__.get(PARAM_SHARDS_ATTR, {}).get(self.parameter_name)
         return shard if shard is not None and inside_experts(shard) else None
@@ -216,18 +216,18 @@ class ParallelParamWrapper(peft.tuners.lora.ParamWrapper):
         whole = self.lora_A[adapter_name] if self._split_out() else self.lora_B[adapter_name]
         _on_gradient(whole, functools.partial(all_reduced, group=group), trigger=self)
 
-    def adapter_shard(self, which: str, adapter_name: str) -> ParamShard | None:
+    def adapter_shard(self, which: str, adapter_name: str) -> ParamLayout | None:
         """How lora_A or lora_B of an adapter is spread: B's rows like W's out, or A's columns like W's in."""
         shard = self._shard()
         if shard is None or (which == "B") != self._split_out():
             return None
         rank_e = self.r[adapter_name] * self.num_experts
         features = shard.full_shape[shard.dim]
-        return ParamShard(name=f"lora_{which}", full_shape=(features, rank_e) if which == "B" else (rank_e, features),
+        return ParamLayout(name=f"lora_{which}", full_shape=(features, rank_e) if which == "B" else (rank_e, features),
                           dim=0 if which == "B" else 1, pieces=shard.pieces, local_size=shard.local_size)
 
 
-def inside_experts(shard: ParamShard) -> bool:
+def inside_experts(shard: ParamLayout) -> bool:
     """Whether a Param entry's shard cuts a 3-D tensor (experts, d1, d2) inside every expert (d1 or d2)."""
     return len(shard.full_shape) == 3 and shard.dim in (1, 2) and not shard.partial and shard.holder == "parameter"
 

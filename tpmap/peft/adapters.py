@@ -7,7 +7,7 @@ for ColumnParallelLinear and RowParallelLinear; `get_peft_model` and `from_pretr
     model = tpmap.apply(model)                      # or tpmap.from_pretrained(...)
     model = tpmap.peft.get_peft_model(model, LoraConfig(r=8, target_modules=[...]))
 
-The layers and their math: `tpmap.peft_layers`.
+The layers and their math: `tpmap.peft.layers`.
 
 Not yet: expert tensors split another way, mixed-adapter batches, DoRA and other LoRA variants: each is refused
 with a message.
@@ -35,9 +35,9 @@ from tpmap.engine.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from tpmap.engine.plan import ParamShard
+from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import full_tensor
-from tpmap.peft_layers import (
+from tpmap.peft.layers import (
     OWNER_GROUP_ATTR,
     PARAM_SHARDS_ATTR,
     SEED_ATTR,
@@ -52,7 +52,7 @@ PEFT_LAYER_CLASSES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, 
 
 
 def prepare(model: nn.Module) -> nn.Module:
-    """Record on each Column and Row of a tpmap-sharded model the ParamShard of its weight (what
+    """Record on each Column and Row of a tpmap-sharded model the ParamLayout of its weight (what
     ParallelLoraLinear slices adapters by). Idempotent; raises ValueError on a model tpmap did not shard."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     plan = getattr(base, PLAN_ATTR, None)
@@ -75,7 +75,7 @@ def prepare(model: nn.Module) -> nn.Module:
 
 
 def _param_owners(base: nn.Module, plan):
-    """The modules holding tensors that Param entries split (MoE experts), each with {tensor name: ParamShard}
+    """The modules holding tensors that Param entries split (MoE experts), each with {tensor name: ParamLayout}
     recorded (PARAM_SHARDS_ATTR), the class of each being what `register` registers ParallelParamWrapper for."""
     owners = {}
     for name, shard in plan.params.items():
@@ -216,7 +216,7 @@ def _sum_over_tokens(layer, name: str, seq) -> None:
 
 
 def _adapter_tensors(peft_model):
-    """(parameter name, adapter, file key, tensor, ParamShard or None) of every LoRA A and B and every tensor of
+    """(parameter name, adapter, file key, tensor, ParamLayout or None) of every LoRA A and B and every tensor of
     a ``modules_to_save`` copy: the file key is PEFT's (the adapter name dropped), the shard says how this rank's
     tensor is split (None: whole): a ParallelLoraLinear's A or B, or a copy of a sharded module, split like it."""
     plan = getattr(peft_model.get_base_model(), PLAN_ATTR, None)
@@ -242,7 +242,7 @@ def _adapter_tensors(peft_model):
                            split.get(f"{base_name}.{file_suffix}"))
 
 
-def _split(shard: ParamShard | None) -> bool:
+def _split(shard: ParamLayout | None) -> bool:
     return shard is not None and shard.dim is not None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from tpmap.spec.errors import did_you_mean
+from tpmap.language.errors import did_you_mean
 
 
 def match_modules(pattern: str, names) -> list[str]:

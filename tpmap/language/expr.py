@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 
-from tpmap.spec.errors import DivisibilityError, TpmapError
+from tpmap.language.errors import DivisibilityError, TpmapError
 
 PER_RANK_NAMES = ("tp_size", "tp_rank")
 MAX_CHARS = 256  # the longest shipped expression has ~60; bounds parsing and checking (no deep recursion)

@@ -6,15 +6,15 @@ script, a small service), without torchrun.
 
 `parallelize` first checks what is cheap to check here: the arguments, and the plan, on a meta-device
 model built from the checkpoint's config (a world size the mapping cannot serve is refused before any
-worker starts). Then it spawns `world_size` workers (`tpmap.launch.Ranks`, gloo on CPU, NCCL with
+worker starts). Then it spawns `world_size` workers (`tpmap.parallelize.rank_processes.Ranks`, gloo on CPU, NCCL with
 ``cuda:rank`` on GPUs), each of which loads only its own slices with `tpmap.from_pretrained`
-(`tpmap/worker.py`). This process holds no weights and no process group: each call sends its arguments
+(`tpmap/parallelize/worker.py`). This process holds no weights and no process group: each call sends its arguments
 (token ids, keywords) to every worker and gets rank 0's answer back (tokens, outputs with the logits).
 
 When something goes wrong:
 
 * an error every worker raised alike, after the same number of collectives (a bad call, refused by
-  `tpmap.call_checks` before the model runs, or by transformers on every rank), is raised here with the
+  `tpmap.parallelize.call_checks` before the model runs, or by transformers on every rank), is raised here with the
   worker's traceback as its cause; the workers are in step, so the handle stays usable;
 * anything else (one worker raising alone, a worker dying, a worker silent past the collective timeout
   or `call_timeout`, Ctrl-C here) may leave the workers out of step: every worker is stopped,
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpmap import worker
 from tpmap.checkpoint.load import plan_checkpoint
-from tpmap.launch import RankFailure, Ranks, Setup, drain
-from tpmap.spec.errors import HandleBusyError, HandleClosedError, ParallelizeError
+from tpmap.parallelize import worker
+from tpmap.parallelize.errors import HandleBusyError, HandleClosedError, ParallelizeError
+from tpmap.parallelize.rank_processes import RankFailure, Ranks, Setup, drain
 
 _LOAD_TIMEOUT_S = 600.0  # the collective timeout while loading: ranks may read their slices at different speeds
 # from_pretrained options that do not fit a handle driven from one process, and why

@@ -10,7 +10,7 @@ whose weights are matrices and one rewrites attributes:
   already split by columns (the output of a Column): rank r computes ``X_r A_r``, the partial sums are
   all-reduced (``reduce_from_tp_region``) and ``b`` is added once, after the reduce.
 * ``Update`` -- module attributes that hold full sizes (``num_heads``, ``split_size``) become per-rank
-  values, given as expressions (see `tpmap.spec.expr`).
+  values, given as expressions (see `tpmap.language.expr`).
 
 Five more reach what matrices alone cannot (MoE experts, MLA, ALiBi, norms across shards, SSM mixers):
 
@@ -58,8 +58,8 @@ from pydantic import (
     model_validator,
 )
 
-from tpmap.spec import expr
-from tpmap.spec.errors import ConfigAttributeError
+from tpmap.language import expr
+from tpmap.language.errors import ConfigAttributeError
 
 ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
 
@@ -82,10 +82,10 @@ def _check_attribute_path(key: str) -> str:
     return key
 
 
-Expr = Annotated[StrictInt | str, Field(description="integer expression, see tpmap.spec.expr")]
+Expr = Annotated[StrictInt | str, Field(description="integer expression, see tpmap.language.expr")]
 # checked where it stands, so that an error points at the very value (an Update attribute)
 CheckedExpr = Annotated[StrictInt | str, AfterValidator(_check_expr),
-                        Field(description="integer expression, see tpmap.spec.expr")]
+                        Field(description="integer expression, see tpmap.language.expr")]
 AttributePath = Annotated[str, AfterValidator(_check_attribute_path)]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=65536)]
 Pattern = Annotated[str, Field(description="dotted module path relative to the base model; * globs per component")]

@@ -1,0 +1,44 @@
+"""The errors of the API floor (`tpmap.apply` and what it calls first): the call, the process group, the
+installed transformers, the inputs of a sharded model's forward."""
+from __future__ import annotations
+
+from tpmap.language.errors import TpmapError
+
+__all__ = [
+    "AlreadyAppliedError",
+    "InputMismatchError",
+    "LossParallelError",
+    "MetaDeviceError",
+    "PartialMappingWarning",
+    "ProcessGroupError",
+    "TransformersVersionError",
+]
+
+
+class AlreadyAppliedError(TpmapError):
+    """`tpmap.apply` was called on a model that is already tensor-parallel."""
+
+
+class ProcessGroupError(TpmapError):
+    """No process group, or a process group whose size is not the world size."""
+
+
+class MetaDeviceError(TpmapError):
+    """`tpmap.apply` was given a model whose parameters are on the meta device (no values to slice)."""
+
+
+class InputMismatchError(TpmapError):
+    """The ranks of a tensor-parallel model were given different inputs."""
+
+
+class LossParallelError(TpmapError):
+    """loss_parallel was asked for where it cannot be computed correctly."""
+
+
+class TransformersVersionError(TpmapError):
+    """The installed transformers is outside the range tpmap is tested on (tpmap.compat.TRANSFORMERS)."""
+
+
+class PartialMappingWarning(UserWarning):
+    """`tpmap.apply` kept blocks whole on every rank because the mapping declares them so (a `replicated`
+    item with a reason): the model is tensor-parallel, but those blocks take full memory and compute."""
