@@ -30,7 +30,7 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
   value) gather themselves; a tensor computed from the gathered input inside the parent (a norm) is cut
   to this rank's chunk for the backward; a tensor from outside the blocks (DeBERTa's relative position
   embeddings) takes plain TP's copy, whose backward all-reduces its gradient. Which one is read from the
-  autograd graph (`_derives_from_gather`), so no gradient is summed twice or missed.
+  autograd graph (`SequenceState.derives_from_gather`), so no gradient is summed twice or missed.
 * A module the mapping keeps whole inside a block (a partial mapping's attention) mixes all the tokens:
   it runs on the gathered sequence and keeps this rank's chunk of every per-token output; a tensor from
   outside the blocks that it reads (an encoder's output) takes plain TP's copy. So does a "closed"
