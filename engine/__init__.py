@@ -3,6 +3,7 @@
 It reads the mapping language (`tpmap.language`), torch and transformers, and nothing else of tpmap.
 
 * `planner`         -- mapping + model structure -> a `plan.Plan` (checks everything, touches no tensor)
+* `whole_model`     -- the planner's whole-model features: vocab_parallel, grad_allreduce, tied parameters
 * `plan`            -- the plan's data: what every rank holds and does
 * `pieces`          -- which (start, length) ranges of a split dim each rank holds
 * `quant_blocks`    -- weights quantized in blocks: shard boundaries that would cut a block
