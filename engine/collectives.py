@@ -17,7 +17,7 @@ graph break). Eager gloo runs the functional ones ~10-40% slower per call (their
 they are used only while compiling.
 
 Sequence parallelism (Megatron-SP, `engine.sequence`) splits tokens instead, along a given `dim`
-(rank r holds chunk r of ws equal chunks):
+(rank r holds chunk r of tp_size equal chunks):
 
     split_to_sequence_region           forward: keep this rank's chunk   backward: all-gather
     gather_from_sequence_region        forward: all-gather               backward: reduce-scatter (sum,
@@ -38,7 +38,7 @@ from tpmap.engine import shm as shm_path
 from tpmap.engine import symm_mem
 
 
-def _world(group) -> int:
+def _tp_size(group) -> int:
     return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
 
 
@@ -71,32 +71,32 @@ def _all_reduce(t: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """(..., F/ws) -> (..., ws * F/ws), rank-major along the last dim."""
-    ws = dist.get_world_size(group)
+    """(..., F/tp_size) -> (..., tp_size * F/tp_size), rank-major along the last dim."""
+    tp_size = dist.get_world_size(group)
     if torch.compiler.is_compiling():
         if (handle := _compiled_handle(x, group)) >= 0:
-            stacked = torch.ops.tpmap.shm_all_gather(x, handle, ws)
+            stacked = torch.ops.tpmap.shm_all_gather(x, handle, tp_size)
         else:
             stacked = funcol.all_gather_tensor(x.contiguous(), 0, group if group is not None else dist.group.WORLD)
-        return torch.cat(stacked.chunk(ws, dim=0), dim=-1)  # (ws * B, ..., F/ws) -> (B, ..., ws * F/ws)
+        return torch.cat(stacked.chunk(tp_size, dim=0), dim=-1)  # (tp_size * B, ..., F/tp_size) -> (B, ..., F)
     x = x.contiguous()
     shm = _shm(x, group)
     if shm is not None:  # each rank's slice straight into place
-        return shm_path.all_gather(x.new_empty((*x.shape[:-1], ws * x.shape[-1])), x, shm)
-    parts = [torch.empty_like(x) for _ in range(ws)]
+        return shm_path.all_gather(x.new_empty((*x.shape[:-1], tp_size * x.shape[-1])), x, shm)
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
 def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's x, stacked: (ws, *x.shape), eagerly (shared memory on one host's CPU ranks, else gloo)."""
+    """Every rank's x, stacked: (group_size, *x.shape), eagerly (shared memory on one host's CPU ranks, else gloo)."""
     x = x.contiguous()
-    ws = dist.get_world_size(group)
+    group_size = dist.get_world_size(group)
     shm = _shm(x, group)
     if shm is not None:  # (1, numel) gathered along the last dim is the stack, rank-major
-        flat = shm_path.all_gather(x.new_empty((1, ws * x.numel())), x.view(1, -1), shm)
-        return flat.view(ws, *x.shape)
-    parts = [torch.empty_like(x) for _ in range(ws)]
+        flat = shm_path.all_gather(x.new_empty((1, group_size * x.numel())), x.view(1, -1), shm)
+        return flat.view(group_size, *x.shape)
+    parts = [torch.empty_like(x) for _ in range(group_size)]
     dist.all_gather(parts, x, group=group)
     return torch.stack(parts)
 
@@ -139,7 +139,7 @@ class _ReduceFromTP(torch.autograd.Function):
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rank, order):
-        # x: (..., F/ws) -> (..., F); `order` puts the rank-major concatenation back into feature order
+        # x: (..., F/tp_size) -> (..., F); `order` puts the rank-major concatenation back into feature order
         ctx.group, ctx.rank, ctx.order, ctx.local = group, rank, order, x.shape[-1]
         return _gather_in_order(x, group, order)
 
@@ -165,7 +165,7 @@ class _SumOverTP(torch.autograd.Function):
 
 
 def _gather_in_order(x: torch.Tensor, group, order: torch.Tensor | None) -> torch.Tensor:
-    y = _all_gather(x, group)  # (..., ws * F/ws), rank-major
+    y = _all_gather(x, group)  # (..., tp_size * F/tp_size), rank-major
     return y if order is None else y.index_select(-1, order)
 
 
@@ -181,12 +181,12 @@ _REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatte
 
 
 def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """(.., n, ..) at `dim` -> (.., ws * n, ..), rank-major."""
+    """(.., n, ..) at `dim` -> (.., tp_size * n, ..), rank-major."""
     first = x.movedim(dim, 0).contiguous()  # (n, ...): each rank's chunk one block of memory
-    ws = dist.get_world_size(group)
+    tp_size = dist.get_world_size(group)
     if (handle := _compiled_handle(x, group)) >= 0:
-        return torch.ops.tpmap.shm_all_gather(first, handle, ws).movedim(0, dim).contiguous()
-    out = first.new_empty((ws * first.shape[0], *first.shape[1:]))
+        return torch.ops.tpmap.shm_all_gather(first, handle, tp_size).movedim(0, dim).contiguous()
+    out = first.new_empty((tp_size * first.shape[0], *first.shape[1:]))
     shm = None if torch.compiler.is_compiling() else _shm(x, group)
     if shm is not None:
         shm_path.all_gather_into_tensor(out, first, shm)
@@ -196,12 +196,12 @@ def _all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """(.., ws * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
+    """(.., tp_size * n, ..) at `dim`, summed over ranks -> this rank's chunk (.., n, ..)."""
     first = x.movedim(dim, 0).contiguous()
-    ws = dist.get_world_size(group)
+    tp_size = dist.get_world_size(group)
     if (handle := _compiled_handle(x, group)) >= 0:
-        return torch.ops.tpmap.shm_reduce_scatter(first, handle, ws).movedim(0, dim).contiguous()
-    out = first.new_empty((first.shape[0] // ws, *first.shape[1:]))
+        return torch.ops.tpmap.shm_reduce_scatter(first, handle, tp_size).movedim(0, dim).contiguous()
+    out = first.new_empty((first.shape[0] // tp_size, *first.shape[1:]))
     shm = None if torch.compiler.is_compiling() else _shm(x, group)
     if shm is not None:
         shm_path.reduce_scatter_tensor(out, first, shm)
@@ -211,7 +211,7 @@ def _reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _chunk_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """(.., ws * n, ..) at `dim` -> this rank's chunk (.., n, ..), no communication."""
+    """(.., tp_size * n, ..) at `dim` -> this rank's chunk (.., n, ..), no communication."""
     n = x.shape[dim] // dist.get_world_size(group)
     return x.narrow(dim, dist.get_rank(group) * n, n).contiguous()
 
@@ -254,25 +254,25 @@ class _ReduceScatterToSeq(torch.autograd.Function):
 
 def split_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's chunk of `dim` (all-gather backward)."""
-    return x if _world(group) == 1 else _SplitToSeq.apply(x, group, dim)
+    return x if _tp_size(group) == 1 else _SplitToSeq.apply(x, group, dim)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group, dim: int, reduce_grad: bool = True) -> torch.Tensor:
     """All-gather the chunks of `dim`. Backward: reduce-scatter into a tensor-parallel region (a Column
     follows), or with ``reduce_grad=False`` keep this rank's chunk (replicated computation follows)."""
-    return x if _world(group) == 1 else _GatherFromSeq.apply(x, group, dim, reduce_grad)
+    return x if _tp_size(group) == 1 else _GatherFromSeq.apply(x, group, dim, reduce_grad)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Leave a tensor-parallel region into the sequence-parallel one: sum over ranks and keep this rank's
     chunk of `dim` (a Row's partial products; all-gather backward). Same bytes as an all-reduce."""
-    return x if _world(group) == 1 else _ReduceScatterToSeq.apply(x, group, dim)
+    return x if _tp_size(group) == 1 else _ReduceScatterToSeq.apply(x, group, dim)
 
 
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward.
     Without autograd there is nothing to do. Columns reading one tensor share one copy: `SharedCopy`."""
-    if not _recorded(x) or _world(group) == 1:
+    if not _recorded(x) or _tp_size(group) == 1:
         return x
     return _CopyToTP.apply(x, group)
 
@@ -312,14 +312,14 @@ def reduce_from_tp_region(x: torch.Tensor, group=None, *, fresh: bool = False) -
     """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward.
     `fresh`: x is a temporary only this call reads (a matmul's result), so without autograd it is
     summed in place, with no copy."""
-    if _world(group) == 1:
+    if _tp_size(group) == 1:
         return x
     return _ReduceFromTP.apply(x, group) if _recorded(x) else _all_reduce(x, group, fresh)
 
 
 def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | None = None) -> torch.Tensor:
     """All-gather the last dim; `order` (optional) maps the rank-major concatenation to feature order."""
-    if _world(group) == 1:
+    if _tp_size(group) == 1:
         return x
     if not _recorded(x):
         return _gather_in_order(x, group, order)
@@ -328,7 +328,7 @@ def gather_from_tp_region(x: torch.Tensor, group=None, order: torch.Tensor | Non
 
 def sum_over_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a partial statistic over the ranks whose results stay rank-local: all-reduce both ways."""
-    if _world(group) == 1:
+    if _tp_size(group) == 1:
         return x
     return _SumOverTP.apply(x, group) if _recorded(x) else _all_reduce(x, group, fresh=True)
 

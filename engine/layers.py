@@ -73,9 +73,9 @@ class ColumnParallelLinear(_TPModule):
     def out_features(self) -> int:  # this rank's output width, or the full one with gather_output
         return self.gathered_features if self.gather_output else self.weight.shape[1 if self.reverse else 0]
 
-    def forward(self, x):  # (..., in) -> (..., out/ws), or (..., out) gathered
+    def forward(self, x):  # (..., in) -> (..., out/tp_size), or (..., out) gathered
         if self.seq is not None and self.seq.active:  # x: this rank's tokens, or all, gathered upstream
-            # y (..., T, out/ws) keeps only this rank's tokens for backward; x now the whole sequence it read
+            # y (..., T, out/tp_size) keeps only this rank's tokens for backward; x now the whole sequence it read
             y, x = self.seq.column_matmul(x, self)
         else:
             if self.copy_input:  # False: x already entered the TP region upstream (an Enter entry)
@@ -83,7 +83,7 @@ class ColumnParallelLinear(_TPModule):
                      else self.shared_copy(x, self.tp_group))
             y = _matmul(x, self.weight, self.reverse)
         if self.adapter_delta is not None:  # on the input the product read: its gradient joins the same collective
-            y = y + self.adapter_delta(x)  # (..., out/ws)
+            y = y + self.adapter_delta(x)  # (..., out/tp_size)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -120,10 +120,10 @@ class RowParallelLinear(_TPModule):
     def out_features(self) -> int:  # the full output width (the partial products are summed)
         return self.weight.shape[1 if self.reverse else 0]
 
-    def forward(self, x):  # (..., in/ws) -> (..., out)
+    def forward(self, x):  # (..., in/tp_size) -> (..., out)
         if self.seq is not None and self.seq.active and self.seq_closed:  # inside a closed parent (engine.sequence)
             return self.seq.closed_row(self._partial(x), self.bias, self)
-        if self.seq is not None and self.seq.active:  # (..., T, in/ws) -> (..., T/ws, out): reduce-scatter
+        if self.seq is not None and self.seq.active:  # (..., T, in/tp_size) -> (..., T/tp_size, out): reduce-scatter
             # the block, not the Row, leaves the dropout region: what follows holds this rank's tokens
             y = reduce_scatter_to_sequence_region(self.seq.row_partial(self._partial(x), self), self.tp_group, -2)
         else:
@@ -136,7 +136,7 @@ class RowParallelLinear(_TPModule):
             y = reduce_from_tp_region(partial, self.tp_group, fresh=True)
         return y if self.bias is None else y + self.bias
 
-    def _partial(self, x):  # (..., in/ws) -> (..., out): this rank's term of the sum
+    def _partial(self, x):  # (..., in/tp_size) -> (..., out): this rank's term of the sum
         partial = _matmul(x, self.weight, self.reverse)
         if self.adapter_delta is not None:
             partial = partial + self.adapter_delta(x)  # inside the sum: still one all-reduce (or reduce-scatter)
@@ -148,7 +148,7 @@ class RowParallelLinear(_TPModule):
 
 class ColumnParallelEmbedding(_TPModule):
     """An nn.Embedding whose embedding_dim is split: rank r looks up columns E[:, r] (e.g. T5's
-    relative_attention_bias (buckets, heads) -> (buckets, heads/ws)). Indices carry no gradient, so
+    relative_attention_bias (buckets, heads) -> (buckets, heads/tp_size)). Indices carry no gradient, so
     no collective is needed; the output stays split, like a Column's.
     """
 
@@ -160,7 +160,7 @@ class ColumnParallelEmbedding(_TPModule):
                                                                source.sparse)
         self.num_embeddings, self.embedding_dim = weight.shape
 
-    def forward(self, ids):  # (...) -> (..., dim/ws)
+    def forward(self, ids):  # (...) -> (..., dim/tp_size)
         return F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 
@@ -170,7 +170,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     Rank r holds rows [vocab_start, vocab_end) (zero-padded to the common local size). Ids outside
     the range look up nothing (a zero row); the all-reduce sums the one rank that had each id.
-    E: (V, H) -> (V_pad/ws, H); ids (B, T) -> (B, T, H), replicated.
+    E: (V, H) -> (V_pad/tp_size, H); ids (B, T) -> (B, T, H), replicated.
 
     It is a cooperative nn.Embedding: its ``forward`` *is* the lookup. A model's own nn.Embedding
     subclass (Gemma's and BART's scaled word embeddings multiply the lookup by ``embed_scale``) is
@@ -283,7 +283,7 @@ class VocabParallelLMHead(_TPModule):
 
     The logits are all-gathered and cut to the real vocabulary, so padded logits never reach outputs:
     (B, T, H) -> (B, T, V). With ``loss_parallel`` set, in training mode they stay split,
-    (B, T, V_pad/ws), for `engine.loss.sharded_cross_entropy`, which masks the padding; in eval
+    (B, T, V_pad/tp_size), for `engine.loss.sharded_cross_entropy`, which masks the padding; in eval
     mode (generate, evaluation) they are gathered all the same.
     """
 
@@ -295,17 +295,17 @@ class VocabParallelLMHead(_TPModule):
         self.loss_calls = 0  # counted by the loss_parallel loss function (see tpmap.api)
         self.in_features, self.out_features = weight.shape[1], vocab_size
 
-    def forward(self, x):  # (B, T, H) -> (B, T, V), or (B, T, V_pad/ws) local
+    def forward(self, x):  # (B, T, H) -> (B, T, V), or (B, T, V_pad/tp_size) local
         x = copy_to_tp_region(x, self.tp_group)
         logits = F.linear(x, self.weight, self.bias)
         if self.adapter_delta is not None:
-            logits = logits + self.adapter_delta(x)  # (B, T, V_pad/ws)
+            logits = logits + self.adapter_delta(x)  # (B, T, V_pad/tp_size)
         if self.loss_parallel and self.training:
             return logits
         return gather_from_tp_region(logits, self.tp_group)[..., : self.vocab_size]
 
     def local_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's (padded) shard of logits that may have been gathered: (..., V) -> (..., V_pad/ws)."""
+        """This rank's (padded) shard of logits that may have been gathered: (..., V) -> (..., V_pad/tp_size)."""
         if logits.shape[-1] == self.weight.shape[0] and logits.shape[-1] != self.vocab_size:
             return logits
         local = logits[..., self.vocab_start : self.vocab_end]
@@ -324,7 +324,7 @@ class ShardedNorm(_TPModule):
     layer: mu = sum_r sum(x_r) / F;  y = (x - mu) / sqrt(sum_r sum((x_r - mu)^2) / F + eps) * w_r + b_r
     l2:    y = x / sqrt(sum_r sum(x_r^2) + eps) [* w_r]   (no mean: a projection onto the unit sphere)
     The sums go through sum_over_tp_region (all-reduce forward and backward). As transformers' norms,
-    it computes in float32 and returns the input dtype. x_r (..., F/ws) -> y_r (..., F/ws).
+    it computes in float32 and returns the input dtype. x_r (..., F/tp_size) -> y_r (..., F/tp_size).
 
     Example (2 ranks): OLMo2's q_norm over 12 heads x 8 becomes weight (48,) per rank, reading q_r (B, T, 48).
     """
@@ -334,7 +334,7 @@ class ShardedNorm(_TPModule):
         self.weight, self.bias = weight, bias
         self.statistic, self.eps, self.features = statistic, eps, features
 
-    def forward(self, x):  # (..., F/ws) -> (..., F/ws)
+    def forward(self, x):  # (..., F/tp_size) -> (..., F/tp_size)
         dtype = x.dtype
         h = x.to(torch.float32)
         if self.statistic == "layer":

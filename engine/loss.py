@@ -1,6 +1,6 @@
 """Cross-entropy on vocabulary-sharded logits, without gathering them (Megatron's vocab-parallel CE).
 
-Each rank holds logits Z_r (N, V_pad/ws) for vocabulary rows [start, end). With m = max_v Z (an
+Each rank holds logits Z_r (N, V_pad/tp_size) for vocabulary rows [start, end). With m = max_v Z (an
 all-reduce MAX) and S = sum_v exp(Z - m) (an all-reduce SUM of local sums), and z_y the target's
 logit (held by one rank; an all-reduce SUM of masked values):
 
@@ -50,7 +50,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, head, ignore_index: int = -100,
                                  num_items_in_batch=None) -> torch.Tensor:
     """Mean (or sum / num_items_in_batch) cross-entropy against target (...) of a `VocabParallelLMHead`'s
-    logits: its local shard (..., V_pad/ws), or gathered logits (..., V), of which this rank's part is used."""
+    logits: its local shard (..., V_pad/tp_size), or gathered logits (..., V), of which this rank's part is used."""
     logits = head.local_logits(logits)
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1).to(logits.device)

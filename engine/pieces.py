@@ -71,17 +71,17 @@ def split_sections(sections: list[tuple[int, int | None]], tp_size: int, replica
     return tuple(merge(ranges) for ranges in per_rank), replicated
 
 
-def split_groups(groups: int, group_size: int, sections, tp_size: int, replicate: bool, fail: Fail,
+def split_groups(groups: int, group_width: int, sections, tp_size: int, replicate: bool, fail: Fail,
                  heads_key: Callable[[int], tuple]) -> tuple[tuple[Pieces, ...], bool]:
     """Pieces of a dimension of `groups` equal groups, each laid out by `sections`.
 
-    ``groups % tp_size == 0``: rank r holds groups [r*G/ws, (r+1)*G/ws) whole (their sections intact).
-    ``tp_size % groups == 0`` (a Column's output only): m = ws/G ranks share group r // m, and that
+    ``groups % tp_size == 0``: rank r holds groups [r*G/tp_size, (r+1)*G/tp_size) whole (their sections intact).
+    ``tp_size % groups == 0`` (a Column's output only): m = tp_size/G ranks share group r // m, and that
     group's sections are split over those m ranks (sub-rank r % m), replicating heads as needed.
     """
     if groups % tp_size == 0:
         n = groups // tp_size
-        return tuple(((r * n * group_size, n * group_size),) for r in range(tp_size)), False
+        return tuple(((r * n * group_width, n * group_width),) for r in range(tp_size)), False
     if not (replicate and tp_size % groups == 0):
         works = [w for w in range(1, 2 * groups + 1) if groups % w == 0 or (replicate and w % groups == 0)]
         raise fail(f"{groups} groups cannot be dealt over world size {tp_size}; world sizes that work: "
@@ -91,12 +91,12 @@ def split_groups(groups: int, group_size: int, sections, tp_size: int, replicate
     pieces = []
     for r in range(tp_size):
         g = r // m
-        pieces.append(merge((g * group_size + s, n) for s, n in sub[r % m]))
+        pieces.append(merge((g * group_width + s, n) for s, n in sub[r % m]))
     return tuple(pieces), replicated
 
 
 def vocab_pieces(vocab: int, tp_size: int) -> tuple[tuple[Pieces, ...], int]:
-    """Megatron's padded vocabulary split: every rank holds ceil(V/ws) rows, the last ones padded."""
+    """Megatron's padded vocabulary split: every rank holds ceil(V/tp_size) rows, the last ones padded."""
     per_rank = -(-vocab // tp_size)
     pieces = []
     for r in range(tp_size):

@@ -1,9 +1,13 @@
 """The planner: walks a mapping's entries over a model and records what each rank holds and does.
 
 One `Planner` holds the planning state (the model's modules, which entry claimed which tensor, the
-results so far, the errors when collecting); each entry kind is planned by one method below, in the
-order of `tpmap.language.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm. Nothing here reads or writes
-a tensor's data; `engine.shard` executes the plan.
+results so far, the errors when collecting), matches each entry's pattern and sizes the split dims
+(`layout`, `sections`); each entry kind is planned by one method below, in the order of
+`tpmap.language.schema`: Column/Row, Update, Param, Reduce, Enter, Input, Norm, with the records that need
+no planning state built by the functions after the class (`split_dim`, `attribute_update`, `input_slice`,
+`l2_statistic_norm`). The whole-model features (vocab_parallel, grad_allreduce, tied parameters) are planned
+after the entries by `engine.whole_model`. Nothing here reads or writes a tensor's data; `engine.shard`
+executes the plan.
 """
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ from transformers import PretrainedConfig
 
 from tpmap.engine import pieces as split
 from tpmap.engine.errors import ModuleKindError, UnsupportedConfigError
-from tpmap.engine.layers import lookup_bypass
 from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamLayout, Plan
+from tpmap.engine.whole_model import plan_grad_allreduce, plan_vocab_parallel, tie_errors
 from tpmap.language import compose, expr
 from tpmap.language.errors import ConfigAttributeError, DivisibilityError, PatternMatchError, TpmapError, did_you_mean
 from tpmap.language.patterns import match_entry, match_modules, suggest_module
@@ -36,7 +40,6 @@ from tpmap.language.schema import (
     entry_applies,
     layer_index,
     layer_selected,
-    release_matches,
 )
 from tpmap.language.source import MappingFile
 
@@ -240,17 +243,7 @@ class Planner:
                 continue
             self.applied.append(i)
             try:
-                matched = match_entry(entry, self.modules)
-                if not matched and entry.classes and match_modules(entry.module, self.names):
-                    found = sorted({type(self.modules[n]).__name__ for n in match_modules(entry.module, self.names)})
-                    raise ctx.error(PatternMatchError, f"pattern matches modules of class {', '.join(found)} only, "
-                                    f"none of classes {', '.join(entry.classes)}; valid choices: "
-                                    f"{', '.join(found)}", "classes", rule="pattern-no-match")
-                if not matched:
-                    prefix = self.prefix
-                    raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "
-                                    f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
-                                    f"{suggest_module(entry.module, self.names)}", "module", rule="pattern-no-match")
+                matched = self.match(entry, ctx)
                 if entry.when_layer:  # a config without such layers has nothing to select, as `when` (lint: when-never)
                     matched = self.select_layers(entry, ctx, matched, config)
                 for rel in matched:
@@ -260,6 +253,21 @@ class Planner:
                         break  # the other modules of this entry would repeat the same problems
             except TpmapError as e:
                 self.fail(e)
+
+    def match(self, entry, ctx: EntryContext) -> list[str]:
+        """The base model's modules (relative names) that the entry's pattern and classes match; none raises."""
+        matched = match_entry(entry, self.modules)
+        if not matched and entry.classes and match_modules(entry.module, self.names):
+            found = sorted({type(self.modules[n]).__name__ for n in match_modules(entry.module, self.names)})
+            raise ctx.error(PatternMatchError, f"pattern matches modules of class {', '.join(found)} only, "
+                            f"none of classes {', '.join(entry.classes)}; valid choices: "
+                            f"{', '.join(found)}", "classes", rule="pattern-no-match")
+        if not matched:
+            prefix = self.prefix
+            raise ctx.error(PatternMatchError, f"pattern matches no module of {type(self.model).__name__} "
+                            f"(relative to its base model{' ' + repr(prefix[:-1]) if prefix else ''})"
+                            f"{suggest_module(entry.module, self.names)}", "module", rule="pattern-no-match")
+        return matched
 
     def any_layer(self, entry, ctx: EntryContext, config) -> bool:
         try:
@@ -293,15 +301,15 @@ class Planner:
             return ("sections", k, "heads") if isinstance(entry.sections, list) else ("heads",)
 
         groups = None if entry.groups is None else ctx.eval(entry.groups, "groups")
-        group_size = dim_size
+        group_width = dim_size
         if groups is not None:
             if groups <= 0 or dim_size % groups:
                 raise ctx.error(DivisibilityError, f"{name}: the split dim has {dim_size} features, not a multiple "
                                 f"of {groups} groups", "groups", rule="fused-sections")
-            group_size = dim_size // groups
-        sections = self.sections(entry, group_size, ctx)
+            group_width = dim_size // groups
+        sections = self.sections(entry, group_width, ctx)
         if groups is not None and groups > 1:
-            return split.split_groups(groups, group_size, sections, self.tp_size, replicate, fail, heads_key)
+            return split.split_groups(groups, group_width, sections, self.tp_size, replicate, fail, heads_key)
         return split.split_sections(sections, self.tp_size, replicate, fail, heads_key)
 
     def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None]]:
@@ -346,7 +354,7 @@ class Planner:
     def linear(self, entry, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """A matrix split by output (Column) or input (Row) features; the module is replaced."""
         column = isinstance(entry, Column)
-        dim, cls = self.split_dim(module, entry, ctx, full)
+        dim, cls = split_dim(module, entry, ctx, full)
         for pname, _ in module.named_parameters(recurse=False):
             self.claim(f"{full}.{pname}", ctx)
         w = module.weight
@@ -367,74 +375,14 @@ class Planner:
                                        entry=ctx.index, weight=weight, bias=bias,
                                        copy_input=not column or entry.copy_input))
 
-    @staticmethod
-    def split_dim(module: nn.Module, entry, ctx: EntryContext, name: str) -> tuple[int, str]:
-        """(weight dim holding the features this entry splits, short class name). Checks the module kind."""
-        cls = type(module).__name__
-        weight = getattr(module, "weight", None)
-        extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or extra or list(module.children()):
-            raise ctx.error(ModuleKindError, f"module {name} ({cls}) is not a plain 2-D weight (+bias) module; "
-                            "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: "
-                            "true (bare tensors: use a Param entry)", "module", rule="module-kind")
-        column = isinstance(entry, Column)
-        if isinstance(module, nn.Embedding):
-            if entry.reverse:
-                raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse",
-                                rule="orientation")
-            if not column:
-                raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding: only Column (split embedding_dim) "
-                                "applies; a vocabulary split is the mapping's vocab-parallel feature", "kind",
-                                rule="module-kind")
-            return 1, cls
-        if isinstance(module, nn.Linear):
-            if entry.reverse:
-                raise ctx.error(ModuleKindError, f"{name} is an nn.Linear, whose weight is [out, in]; remove "
-                                "reverse: true", "reverse", rule="orientation")
-            return (0 if column else 1), cls
-        if not entry.reverse:
-            raise ctx.error(ModuleKindError, f"{name} is a {cls}, not nn.Linear; if its weight is stored [in, out] "
-                            "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by "
-                            "Column/Row", "module", rule="orientation")
-        return (1 if column else 0), cls
-
     # -- Update ------------------------------------------------------------------------------------
     def update(self, entry: Update, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """Per-rank attribute values; a bad attribute is recorded and the others still checked."""
         for path, value_expr in entry.attributes.items():
             try:
-                self.updates.append(self.one_update(module, full, path, value_expr, ctx))
+                self.updates.append(attribute_update(module, full, path, value_expr, ctx, self.seen_attr))
             except TpmapError as e:
                 self.fail(e)
-
-    def one_update(self, module, full, path: str, value_expr, ctx: EntryContext) -> AttributeUpdate:
-        try:
-            _, _, current = resolve_attr(module, path)
-        except AttributeError:
-            via_config = path.startswith("config.")
-            owner = getattr(module, "config", None) if via_config else module
-            attrs = [a for a in vars(owner) if not a.startswith("_")] if owner is not None else []
-            if via_config:
-                attrs = ["config." + a for a in attrs]
-            raise ctx.error(ConfigAttributeError if via_config else ModuleKindError,
-                            f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
-                            "attributes", path,
-                            rule="config-attribute" if via_config else "update-attribute") from None
-        if (full, path) in self.seen_attr:
-            raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry "
-                            f"{self.seen_attr[(full, path)]}", "attributes", path, rule="double-match")
-        values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(self.tp_size))
-        if isinstance(current, int) and not isinstance(current, bool) and current >= 1:
-            bad = [(r, v) for r, v in enumerate(values) if not 1 <= v <= current]
-            if bad:  # a per-rank size is a positive part of the full one; anything else fails later, obscurely
-                r, v = bad[0]
-                raise ctx.error(DivisibilityError, f"{full}.{path} is {current} in the full model, but "
-                                f"{value_expr!r} gives {v} on rank {r} at world size {self.tp_size}; a per-rank "
-                                f"value must lie between 1 and {current}", "attributes", path, rule="divisibility")
-        self.seen_attr[(full, path)] = ctx.index
-        via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
-        return AttributeUpdate(module=full, attribute=path, full_value=current, values=values, via_config=via_config,
-                               entry=ctx.index)
 
     # -- Param -------------------------------------------------------------------------------------
     def param(self, entry: Param, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -481,21 +429,7 @@ class Planner:
 
     # -- Input -------------------------------------------------------------------------------------
     def input(self, entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> None:
-        params = list(inspect.signature(module.forward).parameters)
-        if entry.argument not in params:
-            raise ctx.error(ModuleKindError, f"{type(module).__name__}.forward has no argument "
-                            f"{entry.argument!r}{did_you_mean(entry.argument, params)}; its arguments: "
-                            f"{', '.join(params)}", "argument", rule="module-kind")
-        heads = ctx.eval(entry.heads, "heads")
-
-        def fail(message: str, key: tuple) -> TpmapError:
-            return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
-
-        pieces, _ = split.split_sections([(heads, heads)], self.tp_size, True, fail, lambda k: ("heads",))
-        self.inputs.append(InputSlice(module=full, argument=entry.argument, position=params.index(entry.argument),
-                                      dim=entry.dim, heads=heads,
-                                      head_index=tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
-                                      flattened=entry.flattened, entry=ctx.index))
+        self.inputs.append(input_slice(entry, ctx, module, full))
 
     # -- Norm --------------------------------------------------------------------------------------
     def norm(self, entry: Norm, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -505,15 +439,7 @@ class Planner:
         eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon")
                     if isinstance(getattr(module, a, None), float)), None)
         if entry.statistic == "l2" and not own and weight is None:  # nothing to split: only the statistic
-            if eps is None or list(module.children()):
-                raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not an L2 norm module: "
-                                "no float eps / variance_epsilon, or it has submodules", "module", rule="module-kind")
-            if entry.heads is not None or entry.sections is not None or entry.groups is not None:
-                raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no weight to lay out: "
-                                "remove heads/sections/groups from this Norm entry", "module", rule="module-kind")
-            self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__,
-                                           reverse=False, gather_output=False, entry=ctx.index, weight=None,
-                                           bias=None, statistic="l2", eps=eps))
+            self.shards.append(l2_statistic_norm(entry, ctx, module, full, eps))
             return
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or set(own) - {"weight", "bias"}:
             raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not a norm with a 1-D weight "
@@ -535,122 +461,100 @@ class Planner:
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps))
 
-    # -- whole-model features (after the entries) ---------------------------------------------------
-    def plan_whole_model_features(self) -> list[str]:
-        """vocab_parallel (appends its ModuleShards) and grad_allreduce (returns parameter names)."""
-        mapping, source = self.loaded.mapping, self.loaded.source
-        if mapping.vocab_parallel is not None:
-            self.shards.extend(self.plan_vocab_parallel(mapping.vocab_parallel))
-        grad_allreduce = []
-        for i, item in enumerate(mapping.grad_allreduce):
-            if not isinstance(item, str) and not release_matches(item.transformers):
-                continue
-            pattern = item if isinstance(item, str) else item.module
-            hits = match_modules(pattern, self.names)
-            if not hits:
-                raise PatternMatchError(f"grad_allreduce pattern {pattern!r} matches no module"
-                                        f"{suggest_module(pattern, self.names)}",
-                                        source.value(("grad_allreduce", i)), "pattern-no-match")
-            for rel in hits:
-                own = dict(self.modules[rel].named_parameters(recurse=False))
-                for pname in [] if isinstance(item, str) else item.params:
-                    if pname not in own:
-                        raise PatternMatchError(
-                            f"grad_allreduce: {self.prefix}{rel} ({type(self.modules[rel]).__name__}) holds no "
-                            f"parameter {pname!r} itself; its own parameters: {', '.join(own) or 'none'}",
-                            source.value(("grad_allreduce", i, "params")), "pattern-no-match")
-                names = self.modules[rel].named_parameters() if isinstance(item, str) else (
-                    (pname, own[pname]) for pname in item.params)
-                for pname, _ in names:
-                    full = f"{self.prefix}{rel}.{pname}"
-                    if full in self.owner:
-                        raise PatternMatchError(f"{full} is sharded by entry {self.owner[full]}; grad_allreduce is "
-                                                "for parameters kept whole", source.value(("grad_allreduce",)),
-                                                "double-match")
-                    grad_allreduce.append(full)
-        return grad_allreduce
 
-    def plan_vocab_parallel(self, spec) -> list[ModuleShard]:
-        """ModuleShards for the input embedding (and every nn.Embedding sharing its weight) and the LM head."""
-        model, source = self.model, self.loaded.source
-        pos = source.value(("vocab_parallel",))
-        by_id = names_by_parameter(model)
-        named = dict(model.named_modules())
-        emb = model.get_input_embeddings() if spec.embedding else None
-        head = model.get_output_embeddings() if spec.lm_head else None
-        if spec.embedding and not isinstance(emb, nn.Embedding):
-            raise ModuleKindError(f"vocab_parallel.embedding: {type(model).__name__}.get_input_embeddings() is "
-                                  f"{type(emb).__name__}, not an nn.Embedding; set embedding: false", pos,
-                                  "module-kind")
-        if head is not None and not isinstance(head, nn.Linear):
-            raise ModuleKindError(f"vocab_parallel.lm_head: the output embedding is a {type(head).__name__}, not an "
-                                  "nn.Linear; set lm_head: false", pos, "module-kind")
-        # One half of a tied pair split alone would leave the other half holding the shard (a whole LM head
-        # with a vocabulary slice for a weight: wrong-sized logits; a plain lookup into a slice: IndexError).
-        # Every holder of a split weight must be a module this split replaces.
-        replaced = {n for n, m in named.items()
-                    if m is head or (emb is not None and isinstance(m, nn.Embedding) and m.weight is emb.weight)}
-        for module in (m for m in (emb, head) if m is not None):
-            holders = {n.rpartition(".")[0] for n in by_id[id(module.weight)]}
-            whole = sorted(holders - replaced)
-            if whole:
-                half, other = ("embedding", "lm_head") if module is emb else ("lm_head", "embedding")
-                mine = next(n for n, m in named.items() if m is module)
-                message = (f"vocab_parallel.{half} splits {mine}.weight along the vocabulary, but it is "
-                           f"tied to {', '.join(n + '.weight' for n in whole)}, which stays whole"
-                           + (f" (vocab_parallel.{other}: false)" if not getattr(spec, other) else "")
-                           + "; set both embedding and lm_head to true, or untie them (tie_word_embeddings: false)")
-                raise PatternMatchError(message, source.key(("vocab_parallel",)), "tied-parameter")
-        vocab = emb.weight.shape[0] if emb is not None else (head.weight.shape[0] if head is not None else None)
-        if vocab is None:
-            return []
-        pieces, per_rank = split.vocab_pieces(vocab, self.tp_size)
-        shards = []
+def split_dim(module: nn.Module, entry, ctx: EntryContext, name: str) -> tuple[int, str]:
+    """(weight dim holding the features this entry splits, short class name). Checks the module kind."""
+    cls = type(module).__name__
+    weight = getattr(module, "weight", None)
+    extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or extra or list(module.children()):
+        raise ctx.error(ModuleKindError, f"module {name} ({cls}) is not a plain 2-D weight (+bias) module; "
+                        "Column/Row shard nn.Linear, nn.Embedding or a weight stored [in, out] with reverse: "
+                        "true (bare tensors: use a Param entry)", "module", rule="module-kind")
+    column = isinstance(entry, Column)
+    if isinstance(module, nn.Embedding):
+        if entry.reverse:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding; remove reverse: true", "reverse",
+                            rule="orientation")
+        if not column:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Embedding: only Column (split embedding_dim) "
+                            "applies; a vocabulary split is the mapping's vocab-parallel feature", "kind",
+                            rule="module-kind")
+        return 1, cls
+    if isinstance(module, nn.Linear):
+        if entry.reverse:
+            raise ctx.error(ModuleKindError, f"{name} is an nn.Linear, whose weight is [out, in]; remove "
+                            "reverse: true", "reverse", rule="orientation")
+        return (0 if column else 1), cls
+    if not entry.reverse:
+        raise ctx.error(ModuleKindError, f"{name} is a {cls}, not nn.Linear; if its weight is stored [in, out] "
+                        "(as transformers' Conv1D) set reverse: true, otherwise it cannot be sharded by "
+                        "Column/Row", "module", rule="orientation")
+    return (1 if column else 0), cls
 
-        def shard_of(param) -> ParamLayout:
-            names = by_id[id(param)]
-            for n in names:
-                if n in self.owner:
-                    raise PatternMatchError(f"{n} is in the vocabulary split and also claimed by entry "
-                                            f"{self.owner[n]}", pos, "double-match")
-            return ParamLayout(name=names[0], full_shape=tuple(param.shape), dim=0, pieces=pieces,
-                              local_size=per_rank, aliases=tuple(names[1:]))
 
-        if emb is not None:
-            weight = shard_of(emb.weight)
-            for name, module in named.items():
-                if isinstance(module, nn.Embedding) and module.weight is emb.weight:
-                    bypass = lookup_bypass(type(module))  # the same rule the engine's class swap relies on
-                    if bypass is not None:
-                        raise ModuleKindError(
-                            f"vocab_parallel.embedding: {name} is a {type(module).__name__} whose {bypass} does not "
-                            "call super().forward, so a vocabulary-split lookup cannot run under it (it would index "
-                            "the shard with full-vocabulary ids); set vocab_parallel.embedding: false to keep it "
-                            "whole (and lm_head: false if the LM head is tied to it)", pos, "module-kind")
-                    shards.append(ModuleShard(name=name, style="vocab_embedding", module_class=type(module).__name__,
-                                              reverse=False, gather_output=False, entry=-1, weight=weight, bias=None))
-        if head is not None:
-            if head.weight.shape[0] != vocab:
-                raise ModuleKindError(f"the LM head has {head.weight.shape[0]} rows but the embedding {vocab}; set "
-                                      "lm_head: false", pos, "module-kind")
-            name = next(n for n, m in named.items() if m is head)
-            weight = shard_of(head.weight)
-            bias = shard_of(head.bias) if head.bias is not None else None
-            shards.append(ModuleShard(name=name, style="vocab_head", module_class=type(head).__name__, reverse=False,
-                                      gather_output=True, entry=-1, weight=weight, bias=bias))
-        return shards
+def attribute_update(module: nn.Module, full: str, path: str, value_expr, ctx: EntryContext,
+                     seen_attr: dict[tuple[str, str], int]) -> AttributeUpdate:
+    """One attribute of an Update entry: its value on every rank, checked against the full model's."""
+    try:
+        _, _, current = resolve_attr(module, path)
+    except AttributeError:
+        via_config = path.startswith("config.")
+        owner = getattr(module, "config", None) if via_config else module
+        attrs = [a for a in vars(owner) if not a.startswith("_")] if owner is not None else []
+        if via_config:
+            attrs = ["config." + a for a in attrs]
+        raise ctx.error(ConfigAttributeError if via_config else ModuleKindError,
+                        f"{full} ({type(module).__name__}) has no attribute {path!r}{did_you_mean(path, attrs)}",
+                        "attributes", path,
+                        rule="config-attribute" if via_config else "update-attribute") from None
+    if (full, path) in seen_attr:
+        raise ctx.error(PatternMatchError, f"{full}.{path} is already updated by entry "
+                        f"{seen_attr[(full, path)]}", "attributes", path, rule="double-match")
+    values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(ctx.tp_size))
+    if isinstance(current, int) and not isinstance(current, bool) and current >= 1:
+        bad = [(r, v) for r, v in enumerate(values) if not 1 <= v <= current]
+        if bad:  # a per-rank size is a positive part of the full one; anything else fails later, obscurely
+            r, v = bad[0]
+            raise ctx.error(DivisibilityError, f"{full}.{path} is {current} in the full model, but "
+                            f"{value_expr!r} gives {v} on rank {r} at world size {ctx.tp_size}; a per-rank "
+                            f"value must lie between 1 and {current}", "attributes", path, rule="divisibility")
+    seen_attr[(full, path)] = ctx.index
+    via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
+    return AttributeUpdate(module=full, attribute=path, full_value=current, values=values, via_config=via_config,
+                           entry=ctx.index)
 
-    def check_ties(self) -> None:
-        """A sharded parameter must not also be used, tied, by a module that stays whole."""
-        sharded = {t for m in self.shards for t in (m.weight and m.weight.name, m.bias and m.bias.name) if t}
-        sharded |= {t.name for t in self.tensors}
-        for names in names_by_parameter(self.model).values():
-            if len(names) > 1 and any(n in sharded for n in names) and not all(n in sharded for n in names):
-                entry = next(self.owner[n] for n in names if n in self.owner)
-                self.fail(PatternMatchError(
-                    f"{self.loaded.label(entry)}: parameter {names[0]} is tied to {', '.join(names[1:])}; "
-                    "shard all of them with the same entry or none",
-                    self.loaded.source.value(("entries", entry, "module")), "tied-parameter"))
+
+def input_slice(entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> InputSlice:
+    """The heads of a forward argument that each rank keeps (an Input entry)."""
+    params = list(inspect.signature(module.forward).parameters)
+    if entry.argument not in params:
+        raise ctx.error(ModuleKindError, f"{type(module).__name__}.forward has no argument "
+                        f"{entry.argument!r}{did_you_mean(entry.argument, params)}; its arguments: "
+                        f"{', '.join(params)}", "argument", rule="module-kind")
+    heads = ctx.eval(entry.heads, "heads")
+
+    def fail(message: str, key: tuple) -> TpmapError:
+        return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
+
+    pieces, _ = split.split_sections([(heads, heads)], ctx.tp_size, True, fail, lambda k: ("heads",))
+    return InputSlice(module=full, argument=entry.argument, position=params.index(entry.argument),
+                      dim=entry.dim, heads=heads,
+                      head_index=tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
+                      flattened=entry.flattened, entry=ctx.index)
+
+
+def l2_statistic_norm(entry: Norm, ctx: EntryContext, module: nn.Module, full: str,
+                      eps: float | None) -> ModuleShard:
+    """A Norm entry on an L2 norm without a weight: nothing to split, only its statistic summed."""
+    if eps is None or list(module.children()):
+        raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) is not an L2 norm module: "
+                        "no float eps / variance_epsilon, or it has submodules", "module", rule="module-kind")
+    if entry.heads is not None or entry.sections is not None or entry.groups is not None:
+        raise ctx.error(ModuleKindError, f"{full} ({type(module).__name__}) has no weight to lay out: "
+                        "remove heads/sections/groups from this Norm entry", "module", rule="module-kind")
+    return ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
+                       gather_output=False, entry=ctx.index, weight=None, bias=None, statistic="l2", eps=eps)
 
 
 def _holder(module: nn.Module, name: str) -> tuple[str | None, Any]:
@@ -687,10 +591,13 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                         modules=(), updates=(), source=loaded.source.path)
     p = Planner(model, loaded, tp_size, errors)
     p.plan_entries()
-    p.check_ties()
+    for e in tie_errors(model, loaded, p.shards, p.tensors, p.owner):
+        p.fail(e)
     grad_allreduce = []
-    try:
-        grad_allreduce = p.plan_whole_model_features()
+    try:  # the whole-model features: vocab_parallel (its ModuleShards), grad_allreduce (parameter names)
+        if loaded.mapping.vocab_parallel is not None:
+            p.shards.extend(plan_vocab_parallel(model, loaded, tp_size, p.owner))
+        grad_allreduce = plan_grad_allreduce(loaded, p.modules, p.prefix, p.owner)
     except TpmapError as e:
         p.fail(e)
     kept_whole = ((k.module, k.reason, len(match_modules(k.module, p.names))) for k in loaded.mapping.kept_whole)
@@ -700,14 +607,6 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                 reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
                 kept_whole=tuple(k for k in kept_whole if k[2]),
                 refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")
-
-
-def names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every name it has in the model (tied parameters have several)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return by_id
 
 
 def check_expressions(config, loaded: MappingFile) -> list[TpmapError]:

@@ -71,7 +71,7 @@ def refuse_cut_groups(groups: dict[str, int], plan: Plan, plan_at: Callable[[int
     bad = cut(plan)
     if bad:
         name, group, boundary = bad[0]
-        fine = [ws for ws in range(1, 17) if (p := plan_at(ws)) is not None and not cut(p)]
+        fine = [tp_size for tp_size in range(1, 17) if (p := plan_at(tp_size)) is not None and not cut(p)]
         raise DivisibilityError(
             f"{name} {what.format(group=group)}, and at world size {plan.tp_size} a shard boundary "
             f"falls at {boundary}, inside a group ({len(bad)} weight{'s' if len(bad) > 1 else ''} alike). World sizes "

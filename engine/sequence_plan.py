@@ -1,8 +1,8 @@
 """Sequence parallelism (Megatron-SP), opt-in: `tpmap.apply(..., sequence_parallel=True)`.
 
 Between the tensor-parallel regions of the repeated blocks, plain TP holds every token on every rank
-and computes norms, dropout and residual adds ws times over. SP keeps those activations split along
-the sequence instead (rank r holds tokens [r*T/ws, (r+1)*T/ws)):
+and computes norms, dropout and residual adds tp_size times over. SP keeps those activations split along
+the sequence instead (rank r holds tokens [r*T/tp_size, (r+1)*T/tp_size), tp_size the group's size):
 
     a stack's first block input  split along the sequence      (backward: all-gather)
     a Column's parent input  all-gather along the sequence     (backward: reduce-scatter)  was: copy
@@ -30,7 +30,7 @@ Beyond the plain Column -> Row pattern, each rule general (found in a shipped fa
   value) gather themselves; a tensor computed from the gathered input inside the parent (a norm) is cut
   to this rank's chunk for the backward; a tensor from outside the blocks (DeBERTa's relative position
   embeddings) takes plain TP's copy, whose backward all-reduces its gradient. Which one is read from the
-  autograd graph (`_derives_from_gather`), so no gradient is summed twice or missed.
+  autograd graph (`SequenceState.derives_from_gather`), so no gradient is summed twice or missed.
 * A module the mapping keeps whole inside a block (a partial mapping's attention) mixes all the tokens:
   it runs on the gathered sequence and keeps this rank's chunk of every per-token output; a tensor from
   outside the blocks that it reads (an encoder's output) takes plain TP's copy. So does a "closed"
@@ -56,7 +56,7 @@ Block outputs a model records (``output_hidden_states=True``) hold this rank's t
 the last: each module enclosing a stack gathers those in its returned ModelOutput (`gather_recorded_states`),
 before the model's own code reads them or returns them.
 
-A forward whose sequence length is not a multiple of ws (a decode step of generate) runs as plain
+A forward whose sequence length is not a multiple of tp_size (a decode step of generate) runs as plain
 TP. Which kind a backward's gradients came from is recorded in the graph (`_Mark`), so the whole
 parameters' all-reduce follows it, per stack (an encoder input that divides and a decoder input that
 does not is fine); mixing both kinds in one stack in one backward raises.
@@ -103,6 +103,37 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
     if plan.refuse_sequence_parallel:  # the mapping knows what these checks cannot see
         raise _refuse(type(model).__name__, plan.refuse_sequence_parallel)
     base = model.get_submodule(plan.base_prefix[:-1]) if plan.base_prefix else model
+    blocks, ends = _find_stacks(model, plan, base)
+    kept = _kept_whole(plan, base, blocks)
+    shards = {m.name: m for m in plan.modules if any(m.name.startswith(b + ".") for b in blocks)}
+    if not any(m.style == "column" for m in shards.values()):
+        raise _refuse(type(model).__name__, "nothing in its blocks is split (no Column), so there is no "
+                      "tensor-parallel region whose all-reduces could become reduce-scatters")
+    columns, parents, tables = _gather_points(model, shards, blocks)
+    rows = [m.name for m in shards.values() if m.style == "row"]
+    closed = _closed_parents(model, parents, rows, shards)
+    parents -= set(closed)
+    _refuse_experts(model, parents)
+    whole = sorted(kept + closed)
+    _check_whole_and_tables(whole, parents, tables)
+    split_tensors = {t.name for t in plan.tensors}
+    for block in blocks:
+        _check_block_modules(model, plan, block, kept, parents, shards, split_tensors)
+    grad_allreduce = _whole_parameters(model, plan, blocks, split_tensors)
+    closed_rows = tuple(r for r in rows if any(r.startswith(c + ".") for c in closed))
+    return SequencePlan(blocks=tuple(blocks), ends=ends, parents=tuple(sorted(parents)), columns=tuple(columns),
+                        rows=tuple(r for r in rows if r not in closed_rows), grad_allreduce=tuple(grad_allreduce),
+                        whole=tuple(whole), closed_rows=closed_rows)
+
+
+def _within(name: str, roots) -> bool:
+    """Whether `name` is one of `roots` or inside one."""
+    return any(name == r or name.startswith(r + ".") for r in roots)
+
+
+def _find_stacks(model: nn.Module, plan: Plan, base: nn.Module) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """(the repeated blocks, in order; (first block, last block) of each stack). Refuses Columns in sibling
+    ModuleLists and a model without a stack."""
     blocks = [plan.base_prefix + b for b in block_prefixes(base)]
     column_names = [m.name for m in plan.modules if m.style == "column"]
     holding = {b.rpartition(".")[0] for b in blocks if any(c.startswith(b + ".") for c in column_names)}
@@ -124,24 +155,20 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
     # Its output, whole again, reaches the other stack as a side input (cross-attention's keys and values).
     ends = tuple((min(group, key=_index), max(group, key=_index))
                  for group in ([b for b in blocks if b.rpartition(".")[0] == s] for s in stacks))
+    return blocks, ends
 
-    def block_of(name: str) -> str | None:
-        return next((b for b in blocks if name.startswith(b + ".")), None)
 
+def _kept_whole(plan: Plan, base: nn.Module, blocks: list[str]) -> list[str]:
+    """The outermost modules inside the blocks that the mapping keeps whole, sorted."""
     names = dict(base.named_modules())  # the mapping's patterns are relative to the base model
     whole = sorted({plan.base_prefix + n for pattern, _, _ in plan.kept_whole for n in match_modules(pattern, names)
-                    if block_of(plan.base_prefix + n)})
-    whole = [n for n in whole if not any(n.startswith(w + ".") for w in whole)]  # the outermost
-    kept = list(whole)
+                    if any((plan.base_prefix + n).startswith(b + ".") for b in blocks)})
+    return [n for n in whole if not any(n.startswith(w + ".") for w in whole)]  # the outermost
 
-    def in_whole(name: str) -> bool:
-        return any(name == w or name.startswith(w + ".") for w in kept)
 
-    shards = {m.name: m for m in plan.modules if block_of(m.name)}
-    if not any(m.style == "column" for m in shards.values()):
-        raise _refuse(type(model).__name__, "nothing in its blocks is split (no Column), so there is no "
-                      "tensor-parallel region whose all-reduces could become reduce-scatters")
-    split_tensors = {t.name for t in plan.tensors}
+def _gather_points(model: nn.Module, shards: dict, blocks: list[str]) -> tuple[list, set, list]:
+    """(columns: (name, gathers its own input), parents whose first argument is gathered, per-head embedding
+    Columns). Refuses a Column that does not follow the Column -> Row pattern."""
     candidates, tables = [], []
     for m in shards.values():
         if m.style != "column":
@@ -164,56 +191,70 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
         columns.append((name, gathers))
         if not gathers:
             parents.add(parent)
-    # A parent whose Row's output meets the parent's own (gathered) input before it returns -- ALBERT's
-    # attention adds the residual and applies the LayerNorm inside -- cannot return this rank's tokens from
-    # its Row: it is closed, run like a whole module (gather in, chunk out) with its Rows summing on every
-    # rank. Recognised by a norm over the Row's output width inside the parent (q/k norms are head-wide).
-    rows = [m.name for m in shards.values() if m.style == "row"]
-    closed = sorted(p for p in parents if _norm_after_row(model, p, [r for r in rows if r.startswith(p + ".")], shards))
-    parents -= set(closed)
-    # Parents that are items of a ModuleList / ModuleDict inside a block are experts: each is called with
-    # only the tokens routed to it, not with the hidden states its gather expects.
+    return columns, parents, tables
+
+
+def _closed_parents(model: nn.Module, parents: set, rows: list[str], shards: dict) -> list[str]:
+    """A parent whose Row's output meets the parent's own (gathered) input before it returns -- ALBERT's
+    attention adds the residual and applies the LayerNorm inside -- cannot return this rank's tokens from
+    its Row: it is closed, run like a whole module (gather in, chunk out) with its Rows summing on every
+    rank. Recognised by a norm over the Row's output width inside the parent (q/k norms are head-wide)."""
+    return sorted(p for p in parents if _norm_after_row(model, p, [r for r in rows if r.startswith(p + ".")], shards))
+
+
+def _refuse_experts(model: nn.Module, parents: set) -> None:
+    """Parents that are items of a ModuleList / ModuleDict inside a block are experts: each is called with
+    only the tokens routed to it, not with the hidden states its gather expects."""
     for p in sorted(parents):
         container = model.get_submodule(p.rpartition(".")[0])
         if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
             raise _refuse(p, f"it is an item of a {type(container).__name__} of modules holding Columns (experts), "
                           "called with the tokens routed to it, not with the hidden states whose sequence tpmap splits")
-    whole = sorted(whole + closed)
+
+
+def _check_whole_and_tables(whole: list[str], parents: set, tables: list[str]) -> None:
+    """A module run whole must not sit inside a gathered parent; a per-head embedding Column must (or inside
+    a module run whole): there it is looked up for the whole sequence, as in plain TP."""
     for w in whole:
         if any(w.startswith(p + ".") for p in parents):
             raise _refuse(w, "a module kept whole by the mapping sits inside a module whose input is gathered for "
                           "its Columns")
-
-    def in_parent(name: str) -> bool:
-        return any(name == p or name.startswith(p + ".") for p in parents)
-
-    for name in tables:  # inside a gathered parent it is looked up for the whole sequence, as in plain TP
-        if not (in_parent(name) or any(name.startswith(w + ".") for w in whole)):
+    for name in tables:
+        if not (_within(name, parents) or any(name.startswith(w + ".") for w in whole)):
             raise _refuse(name, "an embedding Column inside a block but outside a module whose input is gathered "
                           "(an attention): its lookups would not cover the whole sequence")
 
-    for block in blocks:
-        for rel, module in model.get_submodule(block).named_modules():
-            name = f"{block}.{rel}" if rel else block
-            if in_whole(name):
-                continue  # computed on the gathered sequence, this rank's chunk kept (install)
-            if name in plan.reduces or name in plan.enters:
-                kind = "Reduce" if name in plan.reduces else "Enter"
-                raise _refuse(name, f"it is under a {kind} entry (a partial sum or a whole module feeding the "
-                              "heads, as in MoE experts and SSM mixers), which tpmap does not yet run on split tokens")
-            if isinstance(module, nn.modules.conv._ConvNd):
-                raise _refuse(name, f"it is a {type(module).__name__}, which mixes neighbouring tokens along the "
-                              "sequence outside attention; on split tokens it would miss its neighbours")
-            own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-            if (name not in shards and not isinstance(module, _token_wise())
-                    and any(p.dim() >= 2 and f"{name}.{n}" not in split_tensors for n, p in own)):
-                raise _refuse(name, f"it is a {type(module).__name__} with a matrix kept whole inside a block "
-                              "(a router, or a projection feeding every head); tpmap cannot tell whether it needs "
-                              "all the tokens")
-            cut = [t for t in split_tensors if t.startswith(name + ".") and t.count(".") == name.count(".") + 1]
-            if cut and not in_parent(name):
-                raise _refuse(name, f"its tensors {', '.join(cut)} are split by a Param entry outside a Column's "
-                              "module, where the tokens are split (a sequence mixer's state)")
+
+def _check_block_modules(model: nn.Module, plan: Plan, block: str, kept: list[str], parents: set, shards: dict,
+                         split_tensors: set[str]) -> None:
+    """Refuse what in `block` cannot run on split tokens: modules under a Reduce or Enter entry, convolutions,
+    matrices kept whole outside a Column (a router), tensors split by a Param entry outside a parent."""
+    for rel, module in model.get_submodule(block).named_modules():
+        name = f"{block}.{rel}" if rel else block
+        if _within(name, kept):
+            continue  # computed on the gathered sequence, this rank's chunk kept (install)
+        if name in plan.reduces or name in plan.enters:
+            kind = "Reduce" if name in plan.reduces else "Enter"
+            raise _refuse(name, f"it is under a {kind} entry (a partial sum or a whole module feeding the "
+                          "heads, as in MoE experts and SSM mixers), which tpmap does not yet run on split tokens")
+        if isinstance(module, nn.modules.conv._ConvNd):
+            raise _refuse(name, f"it is a {type(module).__name__}, which mixes neighbouring tokens along the "
+                          "sequence outside attention; on split tokens it would miss its neighbours")
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if (name not in shards and not isinstance(module, _token_wise())
+                and any(p.dim() >= 2 and f"{name}.{n}" not in split_tensors for n, p in own)):
+            raise _refuse(name, f"it is a {type(module).__name__} with a matrix kept whole inside a block "
+                          "(a router, or a projection feeding every head); tpmap cannot tell whether it needs "
+                          "all the tokens")
+        cut = [t for t in split_tensors if t.startswith(name + ".") and t.count(".") == name.count(".") + 1]
+        if cut and not _within(name, parents):
+            raise _refuse(name, f"its tensors {', '.join(cut)} are split by a Param entry outside a Column's "
+                          "module, where the tokens are split (a sequence mixer's state)")
+
+
+def _whole_parameters(model: nn.Module, plan: Plan, blocks: list[str], split_tensors: set[str]) -> list[str]:
+    """The parameters in the blocks kept whole and not summed yet: each rank's gradient covers only its
+    tokens, so they are all-reduced over the group."""
     grad_allreduce = []
     params = plan.params
     for block in blocks:
@@ -225,10 +266,7 @@ def plan_sequence_parallel(model: nn.Module, plan: Plan) -> SequencePlan:
             if name in plan.grad_allreduce or any(name.startswith(t + ".") for t in split_tensors):
                 continue  # already summed over the ranks, or this rank's items of a split ModuleList
             grad_allreduce.append(name)
-    closed_rows = tuple(r for r in rows if any(r.startswith(c + ".") for c in closed))
-    return SequencePlan(blocks=tuple(blocks), ends=ends, parents=tuple(sorted(parents)), columns=tuple(columns),
-                        rows=tuple(r for r in rows if r not in closed_rows), grad_allreduce=tuple(grad_allreduce),
-                        whole=tuple(whole), closed_rows=closed_rows)
+    return grad_allreduce
 
 
 def _index(block: str) -> int:

@@ -5,7 +5,9 @@ On two CPU ranks a gloo all-reduce of a few KiB costs 0.4-0.8 ms, all of it late
 ~25 of them. Here each rank copies its tensor into its own slot of one shared segment, posts a sequence
 number, waits until every peer has posted it, and reads the peers' slots directly.
 
-    segment: | header: per rank (64-byte line) posted seq, pid | buffer 0: ws slots | buffer 1: ws slots |
+    segment: | header: per rank (64-byte line) posted seq, pid | buffer 0: n slots | buffer 1: n slots |
+
+(n = group_size, the number of ranks in the group: the tensor-parallel group or any other, dp x tp too.)
 
 * **Sums in rank order.** Every rank computes ((slot 0 + slot 1) + slot 2) + ... for every element, so all
   ranks hold bit-identical results. At world size 2 that is gloo's result bit for bit (a + b == b + a); at
@@ -136,20 +138,20 @@ class ShmGroup:
     """The shared segment of one process group and the collectives over it. Calls must come in the same
     order on every rank, as for any collective."""
 
-    def __init__(self, fd: int, rank: int, ws: int, ranks: list[int], pids: list[int], slot_bytes: int,
+    def __init__(self, fd: int, rank: int, group_size: int, ranks: list[int], pids: list[int], slot_bytes: int,
                  timeout: float):
-        self.group_ranks, self.rank, self.ws, self.pids = ranks, rank, ws, pids
+        self.group_ranks, self.rank, self.group_size, self.pids = ranks, rank, group_size, pids
         self.slot_bytes, self.timeout = slot_bytes, timeout
         self.handle = -1  # index in _HANDLES once chosen
-        self._map = mmap.mmap(fd, HEADER + 2 * ws * slot_bytes)  # the mapping keeps the memfd alive
+        self._map = mmap.mmap(fd, HEADER + 2 * group_size * slot_bytes)  # the mapping keeps the memfd alive
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._words = memoryview(self._map)[:HEADER].cast("q")  # int64 words of the header
         self._seq = 0
         self._lock = threading.Lock()
-        self._peers = [r for r in range(ws) if r != rank]
+        self._peers = [r for r in range(group_size) if r != rank]
         self._views: dict = {}  # (buffer, nbytes, dtype) -> every rank's slot (_slots)
         # more ranks than cores: a spinning rank takes the core a peer needs to arrive, so yield at once
-        self._spins = SPINS if ws <= len(os.sched_getaffinity(0)) else 0
+        self._spins = SPINS if group_size <= len(os.sched_getaffinity(0)) else 0
         self._words[self._line(rank) + 1] = os.getpid()
 
     @staticmethod
@@ -157,7 +159,7 @@ class ShmGroup:
         return r * (LINE // 8)
 
     def _slot(self, buffer: int, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        start = HEADER + (buffer * self.ws + r) * self.slot_bytes
+        start = HEADER + (buffer * self.group_size + r) * self.slot_bytes
         return self._bytes[start : start + nbytes].view(dtype)
 
     def _slots(self, buffer: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -168,7 +170,7 @@ class ShmGroup:
         if slots is None:
             if len(self._views) >= MAX_VIEWS:  # many sizes (growing prompts): start over
                 self._views.clear()
-            slots = self._views[key] = [self._slot(buffer, r, nbytes, dtype) for r in range(self.ws)]
+            slots = self._views[key] = [self._slot(buffer, r, nbytes, dtype) for r in range(self.group_size)]
         return slots
 
     def _wait(self, seq: int) -> None:
@@ -218,7 +220,7 @@ class ShmGroup:
         words[line] = seq  # the post, after the copy: x86 keeps the stores in order
         self._wait(seq)
         if any(words[self._line(r) + 2 + buffer] != nbytes for r in self._peers):
-            sizes = [words[self._line(r) + 2 + buffer] for r in range(self.ws)]
+            sizes = [words[self._line(r) + 2 + buffer] for r in range(self.group_size)]
             raise ShmMismatchError(
                 f"ranks {self.group_ranks} posted {sizes} bytes to one shared-memory collective (number "
                 f"{seq} of the group): they called different collectives or shapes, out of step")
@@ -241,8 +243,8 @@ class ShmGroup:
         return t
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """out (ws * n elements, contiguous) <- every rank's t (n elements), rank-major."""
-        flat, rows = t.reshape(-1), out.view(self.ws, -1)  # (n,), (ws, n)
+        """out (group_size * n elements, contiguous) <- every rank's t (n elements), rank-major."""
+        flat, rows = t.reshape(-1), out.view(self.group_size, -1)  # (n,), (group_size, n)
         step = self._elements(t)
         with self._lock:
             for i in range(0, flat.numel(), step):
@@ -251,13 +253,13 @@ class ShmGroup:
         return out
 
     def all_gather_last_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """out (..., ws * F), contiguous <- every rank's t (..., F), rank-major along the last dim: each slot
+        """out (..., group_size * F), contiguous <- every rank's t (..., F), rank-major along the last dim: each slot
         is copied straight to its place (no stacked copy and concatenation after)."""
         f = t.shape[-1]
-        rows, dst = t.reshape(-1, f), out.view(-1, self.ws, f)  # (n, F), (n, ws, F)
+        rows, dst = t.reshape(-1, f), out.view(-1, self.group_size, f)  # (n, F), (n, group_size, F)
         step = max(1, self.slot_bytes // (f * t.element_size()))  # whole rows per chunk
         if f * t.element_size() > self.slot_bytes:  # a row larger than a slot: through the stacked path
-            stacked = self.all_gather_into(t.new_empty((self.ws, *t.shape)), t)
+            stacked = self.all_gather_into(t.new_empty((self.group_size, *t.shape)), t)
             return out.copy_(torch.cat(stacked.unbind(0), dim=-1))
         with self._lock:
             for i in range(0, rows.shape[0], step):
@@ -266,14 +268,14 @@ class ShmGroup:
         return out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """out (n elements) <- the sum over ranks of chunk `rank` of every rank's t (ws * n elements)."""
-        rows, dst = t.reshape(self.ws, -1), out.view(-1)  # (ws, n), (n,)
-        step = self._elements(t, self.ws)
+        """out (n elements) <- the sum over ranks of chunk `rank` of every rank's t (group_size * n elements)."""
+        rows, dst = t.reshape(self.group_size, -1), out.view(-1)  # (group_size, n), (n,)
+        step = self._elements(t, self.group_size)
         with self._lock:
             for i in range(0, dst.numel(), step):
-                part = rows[:, i : i + step].contiguous()  # (ws, k): chunk i of every destination
+                part = rows[:, i : i + step].contiguous()  # (group_size, k): chunk i of every destination
                 k = part.shape[1]
-                mine = [s.view(self.ws, k)[self.rank] for s in self._exchange(part.view(-1))]
+                mine = [s.view(self.group_size, k)[self.rank] for s in self._exchange(part.view(-1))]
                 target = dst[i : i + k]
                 torch.add(mine[0], mine[1], out=target)
                 for s in mine[2:]:
@@ -307,7 +309,7 @@ def for_group(group) -> ShmGroup | None:
 
 def _setup(group) -> ShmGroup | None:
     mode = _mode()
-    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_size, rank = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
     obstacle = _local_obstacle() if mode != "off" else "TPMAP_SHM=0"
     if obstacle is None and backend != "gloo":
@@ -317,14 +319,14 @@ def _setup(group) -> ShmGroup | None:
     if obstacle is None and rank == 0:
         try:
             fd = os.memfd_create("tpmap-shm", os.MFD_CLOEXEC)
-            os.ftruncate(fd, HEADER + 2 * ws * slot_bytes)
+            os.ftruncate(fd, HEADER + 2 * group_size * slot_bytes)
         except OSError as e:
             obstacle = f"memfd_create failed: {e}"
     mine = dict(mode=mode, obstacle=obstacle, host=host_identity(), pid=os.getpid(), fd=fd, slot_bytes=slot_bytes)
-    everyone: list = [None] * ws
+    everyone: list = [None] * group_size
     dist.all_gather_object(everyone, mine, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(ws))
-    reason = _reason(everyone, ranks, ws)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(group_size))
+    reason = _reason(everyone, ranks, group_size)
     shm = None
     if reason is None:
         first = everyone[0]
@@ -332,10 +334,11 @@ def _setup(group) -> ShmGroup | None:
         try:
             if rank != 0:  # the peers open rank 0's memfd, which stays open until all of them have mapped it
                 fd = os.open(f"/proc/{first['pid']}/fd/{first['fd']}", os.O_RDWR)
-            shm = ShmGroup(fd, rank, ws, ranks, [e["pid"] for e in everyone], first["slot_bytes"], _timeout(group))
+            shm = ShmGroup(fd, rank, group_size, ranks, [e["pid"] for e in everyone], first["slot_bytes"],
+                           _timeout(group))
         except OSError as e:
             opened = f"rank {ranks[rank]} could not map the segment: {e}"
-        outcomes: list = [None] * ws
+        outcomes: list = [None] * group_size
         dist.all_gather_object(outcomes, opened, group=group)  # every rank mapped (or failed) before any closes
         failed = [o for o in outcomes if o]
         reason = failed[0] if failed else None
@@ -352,9 +355,9 @@ def _setup(group) -> ShmGroup | None:
     return None
 
 
-def _reason(everyone: list[dict], ranks: list[int], ws: int) -> str | None:
+def _reason(everyone: list[dict], ranks: list[int], group_size: int) -> str | None:
     """Why the group cannot use shared memory (the same answer on every rank), None if it can."""
-    if ws == 1:
+    if group_size == 1:
         return "a group of one rank has nothing to share"
     for r, e in enumerate(everyone):
         if e["obstacle"]:
@@ -383,7 +386,7 @@ def all_reduce(t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, shm: ShmGroup) -> torch.Tensor:
-    """(..., F) -> out (..., ws * F), rank-major along the last dim (the features' all-gather; counted as
+    """(..., F) -> out (..., group_size * F), rank-major along the last dim (the features' all-gather; counted as
     torch.distributed's list all_gather)"""
     return _profiled("tpmap::shm_all_gather", shm.all_gather_last_into, out, t)
 
@@ -408,26 +411,26 @@ def _(x, handle):
 
 
 @torch.library.custom_op("tpmap::shm_all_gather", mutates_args=())
-def shm_all_gather_op(x: torch.Tensor, handle: int, ws: int) -> torch.Tensor:
-    """(n0, ...) -> (ws * n0, ...), rank-major along dim 0 (funcol.all_gather_tensor's layout)."""
+def shm_all_gather_op(x: torch.Tensor, handle: int, group_size: int) -> torch.Tensor:
+    """(n0, ...) -> (group_size * n0, ...), rank-major along dim 0 (funcol.all_gather_tensor's layout)."""
     x = x.contiguous()
-    out = x.new_empty((ws * x.shape[0], *x.shape[1:]))
+    out = x.new_empty((group_size * x.shape[0], *x.shape[1:]))
     return _HANDLES[handle].all_gather_into(out, x)
 
 
 @shm_all_gather_op.register_fake
-def _(x, handle, ws):
-    return x.new_empty((ws * x.shape[0], *x.shape[1:]))
+def _(x, handle, group_size):
+    return x.new_empty((group_size * x.shape[0], *x.shape[1:]))
 
 
 @torch.library.custom_op("tpmap::shm_reduce_scatter", mutates_args=())
-def shm_reduce_scatter_op(x: torch.Tensor, handle: int, ws: int) -> torch.Tensor:
-    """(ws * n0, ...) summed over ranks -> this rank's chunk (n0, ...) along dim 0."""
+def shm_reduce_scatter_op(x: torch.Tensor, handle: int, group_size: int) -> torch.Tensor:
+    """(group_size * n0, ...) summed over ranks -> this rank's chunk (n0, ...) along dim 0."""
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+    out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
     return _HANDLES[handle].reduce_scatter_into(out, x)
 
 
 @shm_reduce_scatter_op.register_fake
-def _(x, handle, ws):
-    return x.new_empty((x.shape[0] // ws, *x.shape[1:]))
+def _(x, handle, group_size):
+    return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))

@@ -139,7 +139,7 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
 
     logits_full, logits_sharded = forward(full_peft), forward(sharded_peft)
     seq_state = getattr(sharded, "tpmap_sequence", None)
-    report["sp_split"] = None if seq_state is None else sorted(seq_state._active.values())
+    report["sp_split"] = None if seq_state is None else sorted(seq_state.stack_split.values())
     report["logits_rel"] = ((logits_full - logits_sharded).abs().max() / logits_full.abs().max()).item()
     loss_of(full_peft, inputs, has_labels).backward()
     loss_of(sharded_peft, inputs, has_labels).backward()
