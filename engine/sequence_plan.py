@@ -246,7 +246,7 @@ def _check_block_modules(model: nn.Module, plan: Plan, block: str, kept: list[st
             raise _refuse(name, f"it is a {type(module).__name__} with a matrix kept whole inside a block "
                           "(a router, or a projection feeding every head); tpmap cannot tell whether it needs "
                           "all the tokens")
-        cut = [t for t in split_tensors if t.startswith(name + ".") and t.count(".") == name.count(".") + 1]
+        cut = [t for t in sorted(split_tensors) if t.startswith(name + ".") and t.count(".") == name.count(".") + 1]
         if cut and not _within(name, parents):
             raise _refuse(name, f"its tensors {', '.join(cut)} are split by a Param entry outside a Column's "
                           "module, where the tokens are split (a sequence mixer's state)")
