@@ -130,7 +130,8 @@ def test_a_composed_when_and_unsupported_read_the_sub_config(tmp_path):
 
 # -- errors -------------------------------------------------------------------------------------------
 def test_a_sub_model_without_a_mapping_is_named_with_its_prefix_and_model_type():
-    """The issue's bad input: the error names the sub-model, its module prefix and its model type."""
+    """A composed sub-model whose model type has no mapping: the error names the sub-model, its module prefix
+    and its model type."""
     model = meta_llava(text={"model_type": "xlstm"})  # a type without a mapping (and none drafted)
     with pytest.raises(MappingError) as info:
         tpmap.plan(model, 2)
