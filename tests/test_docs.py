@@ -68,3 +68,34 @@ def test_the_tables_reader_sees_a_missing_and_a_gone_file():
     edited = page.replace("| `tests/test_layering.py` |", "| `tests/test_hostile.py` |")
     assert _table_files(edited) == _table_files(page) - {"tests/test_layering.py"} | {"tests/test_hostile.py"}
 
+
+
+PAGES = ("docs/*.md", "benchmarks/*.md", "examples/**/*.md", "README.md", "CONTRIBUTING.md", "MODELS.md")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in page.read_text().splitlines() if line.startswith("#")}
+
+
+def _broken_links(pages) -> list[str]:
+    """'page: link' for every relative link to a file that does not exist or a heading the page lacks."""
+    broken = []
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", link):  # https:, mailto:
+                continue
+            path, _, anchor = link.partition("#")
+            target = page.parent / path if path else page
+            if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """A page merged, renamed or removed (docs/adding-a-model.md went into CONTRIBUTING.md) leaves no link."""
+    pages = sorted({p for pattern in PAGES for p in ROOT.glob(pattern)})
+    assert len(pages) > 15
+    broken = _broken_links(pages)
+    assert not broken, "fix these links:\n" + "\n".join(broken)
