@@ -1,10 +1,12 @@
 """Helpers shared by the tests: edited copies of a shipped mapping, and one verify case run on real ranks."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tpmap import verify
 from tpmap.language import source
+from tpmap.parallelize.rank_processes import RankFailure
 
 
 def mapping_text(origin: str) -> str:
@@ -57,12 +59,23 @@ def run_case(ranks, case: verify.Case) -> verify.Result:
     return verify.judge(case, per_rank)
 
 
-def assert_caught(ranks, path, name: str) -> None:
-    """A known-wrong mapping at `path` is caught at world size 2: a large difference or an error, never a pass."""
-    try:
-        result = run_case(ranks, first_case(path, 2))
-    except Exception as e:  # a shape error inside the forward is also a catch
-        assert "RankFailure" in type(e).__name__ or isinstance(e, RuntimeError)
+DIFFERENCE = "a large difference"  # assert_caught's `expect` for a wrong mapping whose forward runs
+
+
+def assert_caught(ranks, path, name: str, *, expect: str) -> None:
+    """A known-wrong mapping at `path` is caught at world size 2, and by the failure it is known to cause:
+    with expect=DIFFERENCE the forward runs and is off by more than 1e-3 relative; otherwise every rank
+    raises, and `expect` is a regex found in each rank's traceback. A pass, or any other failure (a crash for
+    an unrelated reason), fails the test."""
+    case = first_case(path, 2)
+    if expect == DIFFERENCE:
+        result = run_case(ranks, case)  # an exception here is not the catch this mapping is known for
+        assert not result.passed and result.rel_diff > 1e-3, f"wrong mapping {name}: {result.error or 'passed'}"
         return
-    assert not result.passed
-    assert result.rel_diff > 1e-3, f"wrong mapping {name} was off by only {result.rel_diff:.2g}"
+    try:
+        result = run_case(ranks, case)
+    except RankFailure as e:
+        unexpected = {r: text for r, text in e.per_rank.items() if not re.search(expect, text)}
+        assert not unexpected, f"wrong mapping {name} failed, but not by {expect!r}:\n{e.summary()}"
+        return
+    raise AssertionError(f"wrong mapping {name} ran ({result.error or 'passed'}); expected it to raise {expect!r}")

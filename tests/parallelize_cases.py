@@ -36,6 +36,11 @@ def rank_of(model) -> int:
     return dist.get_rank()
 
 
+def rank_and_query_rows(model) -> tuple[int, torch.Tensor]:
+    """This worker's rank and its shard of the first layer's q_proj weight (its heads' rows)."""
+    return rank_of(model), model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+
+
 def raise_in_forward_on(model, rank: int) -> None:
     """From now on, this rank's forward raises before its first collective (the others then wait for it)."""
     if rank_of(model) == rank:

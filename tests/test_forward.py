@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import rank_cases
-from helpers import assert_caught, edited_copy, run_case
+from helpers import DIFFERENCE, assert_caught, edited_copy, run_case
 
 from tpmap import verify
 from tpmap.language import source
@@ -57,23 +57,26 @@ def test_head_replication_case_is_covered():
     assert hits
 
 
-WRONG_MAPPINGS = {
+WRONG_MAPPINGS = {  # name: (model type, text of the shipped YAML, replacement, the failure it causes)
     # OSLO's bug: GPT-NeoX's per-head [h, 3, d] layout marked as [q | k | v] blocks
     "neox-as-combined-qkv": ("gpt_neox", "    heads: num_attention_heads\n  - kind: Row",
-                             "    combined_qkv: true\n  - kind: Row"),
-    # GPT-2 without the split_size update: q/k/v are cut at the full width
-    "gpt2-no-split-size": ("gpt2", "      split_size: n_embd // tp_size\n", ""),
-    # Phi-3 with the per-rank config copy missing
-    "phi3-no-config-update": ("phi3", "      config.num_attention_heads: per_rank(num_attention_heads)\n", ""),
+                             "    combined_qkv: true\n  - kind: Row", DIFFERENCE),
+    # GPT-2 without the split_size update: q/k/v are cut at the full width, 2 pieces of this rank's 3 blocks
+    "gpt2-no-split-size": ("gpt2", "      split_size: n_embd // tp_size\n", "",
+                           r"ValueError: not enough values to unpack \(expected 3, got 2\)"),
+    # Phi-3 with the per-rank config copy missing: the attention takes this rank's fused qkv (48 + 2 * 16
+    # features) all for queries, and o_proj (48 inputs per rank) gets 80
+    "phi3-no-config-update": ("phi3", "      config.num_attention_heads: per_rank(num_attention_heads)\n", "",
+                              r"mat1 and mat2 shapes cannot be multiplied \(\d+x80 and 48x96\)"),
 }
 
 
 @pytest.mark.parametrize("name", WRONG_MAPPINGS)
 def test_a_wrong_mapping_is_caught(ranks, tmp_path, name):
-    """The comparison can fail: known-wrong mappings give a large difference or an error, never a pass."""
-    model_type, old, new = WRONG_MAPPINGS[name]
+    """The comparison can fail: known-wrong mappings give a large difference or their known error, never a pass."""
+    model_type, old, new, expect = WRONG_MAPPINGS[name]
     path = edited_copy(tmp_path, name, model_type, old, new)
-    assert_caught(ranks, path, name)
+    assert_caught(ranks, path, name, expect=expect)
 
 
 def test_verify_reports_the_collectives_of_one_forward(ranks):

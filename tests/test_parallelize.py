@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from parallelize_cases import MASK, PROMPT, hang_in_forward_on, raise_in_forward_on, save_tiny_llama
+from parallelize_cases import (
+    MASK,
+    PROMPT,
+    hang_in_forward_on,
+    raise_in_forward_on,
+    rank_and_query_rows,
+    save_tiny_llama,
+)
 from transformers import TextStreamer
 
 import tpmap
@@ -103,6 +110,18 @@ def test_a_bad_call_raises_in_the_driver_and_the_handle_keeps_working(checkpoint
             assert "Traceback (most recent call last)" in str(info.value.__cause__)
         assert handle.broken is None
     assert torch.equal(handle.generate(PROMPT, **GENERATE), full.generate(PROMPT, **GENERATE))
+
+
+def test_run_answers_in_rank_order(checkpoint, handle):
+    """`run` returns one result per worker in rank order: result r is rank r's, by its rank and by its shard
+    (rank r holds heads [6r, 6r + 6) of q_proj: rows [r * n, (r + 1) * n) of the unsharded weight)."""
+    _, full = checkpoint
+    whole = full.model.layers[0].self_attn.q_proj.weight  # [12 heads * head_dim, hidden]
+    n = whole.shape[0] // 2
+    results = handle.run(rank_and_query_rows)
+    assert [rank for rank, _ in results] == [0, 1]
+    for r, (_, rows) in enumerate(results):
+        assert torch.equal(rows, whole[r * n:(r + 1) * n]), f"result {r} is not rank {r}'s shard"
 
 
 def test_streaming_to_a_text_streamer_and_as_an_iterator(checkpoint, handle):

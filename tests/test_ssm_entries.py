@@ -17,26 +17,29 @@ from __future__ import annotations
 import pytest
 import rank_cases
 import torch
-from helpers import assert_caught, edited, edited_copy, first_case, replaced, run_case, write_mapping
+from helpers import DIFFERENCE, assert_caught, edited, edited_copy, first_case, replaced, run_case, write_mapping
 
 from tpmap.language import source
 from tpmap.language.errors import DivisibilityError
 
-# name: (model type, text of the shipped YAML, replacement)
+# name: (model type, text of the shipped YAML, replacement, the failure it causes: assert_caught's `expect`)
 FORWARD_WRONG = {
-    # the depthwise conv kept whole: its I filters meet the I/ws channels of this rank
+    # the depthwise conv kept whole: its I filters meet the I/ws channels of this rank, and x_proj (I/ws = 96
+    # inputs per rank) gets all I = 192 channels
     "mamba-conv-not-split": ("mamba", "  - kind: Param\n    module: layers.*.mixer.conv1d\n"
                              "    params: [weight, bias]          "
                              "# weight [I, 1, K], bias [I]: one filter per channel\n"
-                             "    dim: 0\n", ""),
+                             "    dim: 0\n", "",
+                             r"mat1 and mat2 shapes cannot be multiplied \(\d+x192 and 96x\d+\)"),
     # Mamba-2's conv over [x | B | C] split as one block: channels of x paired with filters of B/C
     "mamba2-conv-without-sections": ("mamba2", "    dim: 0\n    sections:\n"
                                      "      - {size: num_heads * head_dim, heads: num_heads}   # x\n"
                                      "      - {size: n_groups * state_size, heads: n_groups}   # B\n"
-                                     "      - {size: n_groups * state_size, heads: n_groups}   # C\n", "    dim: 0\n"),
+                                     "      - {size: n_groups * state_size, heads: n_groups}   # C\n", "    dim: 0\n",
+                                     DIFFERENCE),
     # Jamba's experts without their Reduce: each rank's partial sum is taken for the whole
     "jamba-experts-not-reduced": ("jamba", "  - kind: Reduce\n    module: layers.*.feed_forward.experts"
-                                  "  # each rank's output is a partial sum over its slice of I\n", ""),
+                                  "  # each rank's output is a partial sum over its slice of I\n", "", DIFFERENCE),
 }
 
 GRAD_WRONG = {
@@ -51,8 +54,9 @@ GRAD_WRONG = {
 
 @pytest.mark.parametrize("name", FORWARD_WRONG)
 def test_a_wrong_ssm_mapping_is_caught(ranks, tmp_path, name):
-    path = edited_copy(tmp_path, name, *FORWARD_WRONG[name], once=True)
-    assert_caught(ranks, path, name)
+    model_type, old, new, expect = FORWARD_WRONG[name]
+    path = edited_copy(tmp_path, name, model_type, old, new, once=True)
+    assert_caught(ranks, path, name, expect=expect)
 
 
 @pytest.mark.parametrize("name", GRAD_WRONG)

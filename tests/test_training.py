@@ -234,6 +234,31 @@ def test_the_input_fingerprint_sees_every_change_and_no_nan():
     assert fp(a=x.as_subclass(Wrapped)) != fp(a=x.flip(0).as_subclass(Wrapped))
 
 
+class _Wrapped(torch.Tensor):
+    """A tensor subclass: the fingerprint takes it through the float64 sums, the path CUDA tensors take."""
+
+
+@pytest.mark.parametrize("path", ["cpu bytes", "float64 sums (a tensor subclass, as off the CPU)"])
+def test_the_input_fingerprint_sees_a_change_at_every_position(path):
+    """One element changed, at each position in turn (the first and the last included), changes the
+    fingerprint on both of its paths: the CRC of a plain CPU tensor's bytes, and the float64 sums that
+    tensors off the CPU and tensor subclasses take."""
+    from tpmap.input_check import _fingerprint
+
+    def fp(t):
+        return _fingerprint([("input_ids", t if path == "cpu bytes" else t.as_subclass(_Wrapped))], None).tolist()
+
+    ids = torch.arange(3, 15).view(3, 4)
+    x = torch.randn(2, 5)
+    for t, bump in ((ids, lambda v: v + 1), (x, lambda v: torch.nextafter(v, v + 1))):
+        base = fp(t)
+        assert fp(t.clone()) == base
+        for i in range(t.numel()):
+            changed = t.clone().view(-1)
+            changed[i] = bump(changed[i])
+            assert fp(changed.view(t.shape)) != base, f"{t.dtype}: a change at position {i} of {t.numel()} unseen"
+
+
 def test_columns_reading_one_input_all_reduce_its_gradient_once(ranks):
     """q/k/v share one input all-reduce in backward, and so do gate/up: 2 per layer, +1 for the LM head."""
     for r in ranks(2).run(rank_cases.backward_all_reduce_count, "llama", "LlamaForCausalLM"):

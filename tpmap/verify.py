@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-import tpmap
+from tpmap.api import apply
 from tpmap.engine.collectives import counting_collectives
 from tpmap.language import expr
 from tpmap.language.errors import ConfigAttributeError, DivisibilityError, MappingError, TpmapError
@@ -321,7 +321,7 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     with torch.no_grad():
         reference = main_output(full(**inputs))
 
-    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
+    sharded = apply(copy.deepcopy(full), ws, mapping=loaded)
     with torch.no_grad(), counting_collectives() as comm:
         got = main_output(sharded(**inputs))
     plan = getattr(sharded, "tpmap_plan", None)
