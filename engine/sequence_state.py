@@ -180,7 +180,8 @@ class SequenceState:
             raise SequenceParallelError(
                 "one backward runs through forwards with and without sequence parallelism (a sequence length "
                 "that divides by the world size and one that does not): the gradients of the whole parameters "
-                "cannot be summed right for both. Call backward after each forward, or pad to a multiple of the world size")
+                "cannot be summed right for both. Call backward after each forward, or pad to a multiple of the "
+                "world size")
         self._split[stack] = split
 
     def summed(self, stack: int, grad: torch.Tensor) -> torch.Tensor:
