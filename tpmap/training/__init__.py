@@ -8,7 +8,7 @@ The format, the resharding and the guarantees: docs/training.md#checkpoints-resu
 """
 from tpmap.training.errors import TrainingCheckpointError
 from tpmap.training.export import export
-from tpmap.training.load import TrainingState, load
+from tpmap.training.load import TrainingState, check_resume, load
 from tpmap.training.save import save
 
-__all__ = ["TrainingCheckpointError", "TrainingState", "export", "load", "save"]
+__all__ = ["TrainingCheckpointError", "TrainingState", "check_resume", "export", "load", "save"]

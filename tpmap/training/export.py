@@ -29,7 +29,7 @@ def export(checkpoint, out_dir, *, max_shard_size="50GB") -> Path:
         raise TrainingCheckpointError(f"{folder} holds a LoRA (tpmap.peft) model; export writes full models only: "
                                       "resume it and save the adapters with tpmap.peft.save_pretrained")
     files.check_files(folder, manifest, sorted(manifest["files"]), hash_these=set(manifest["files"]))
-    model = _meta_model(manifest)
+    model = meta_model(manifest)
     layout = _layout(model, manifest)
     keep = hf_save._kept_names(model, layout)
     groups = hf_save._conversion_groups(model, keep)
@@ -61,7 +61,8 @@ def export(checkpoint, out_dir, *, max_shard_size="50GB") -> Path:
     return out
 
 
-def _meta_model(manifest: dict):
+def meta_model(manifest: dict):
+    """The saved model class built from the saved config on the meta device, in the saved dtype."""
     import transformers
     from transformers import CONFIG_MAPPING, GenerationConfig
 

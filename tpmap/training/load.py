@@ -16,10 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tpmap.api import plan as plan_model
 from tpmap.checkpoint.errors import CheckpointError
 from tpmap.checkpoint.safetensors import SafetensorsFile
+from tpmap.language.errors import TpmapError
 from tpmap.training import files, rng_state
 from tpmap.training.errors import TrainingCheckpointError
+from tpmap.training.export import meta_model
 from tpmap.training.layout import (
     base_model,
     from_json,
@@ -71,6 +74,20 @@ def load(directory, model: nn.Module, optimizer=None, scheduler=None, *, dp_grou
     manifest = plan["manifest"]
     return TrainingState(manifest["step"], manifest["data_state"], manifest["extra"], plan["folder"],
                          plan["resharded"])
+
+
+def check_resume(directory, tp_size: int):
+    """Before building anything: whether the checkpoint's mapping can shard its model at `tp_size` (a resume
+    shape); returns that Plan (on the meta device, no process group), or raises TrainingCheckpointError."""
+    folder = files.resolve(directory)
+    manifest = files.read_manifest(folder)
+    model = meta_model(manifest)
+    source = manifest["mapping"]["source"] if manifest["mapping"] else None
+    try:
+        return plan_model(model, tp_size, mapping=source)
+    except TpmapError as e:
+        raise TrainingCheckpointError(f"{folder} (saved at tp {manifest['tp_size']} x dp {manifest['dp_size']}) cannot "
+                                      f"resume at tp {tp_size}: the mapping cannot shard the model so: {e}") from e
 
 
 def _check(directory: Path, model, optimizer, scheduler, shape: Shape) -> dict:
