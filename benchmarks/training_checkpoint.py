@@ -62,7 +62,7 @@ def measure(what: str, fn) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=18)
-    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument("--dir", default=None, help="a folder for the checkpoints (a temporary one in it, removed)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -82,7 +82,9 @@ def main() -> None:
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
         v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
 
-    base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    where = [tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir) if rank == 0 else None]
+    dist.broadcast_object_list(where)  # one folder for every rank
+    base = Path(where[0])
     ours, theirs = base / "tpmap", base / "dcp"
 
     def dcp_state():
@@ -108,8 +110,7 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        if args.dir is None:
-            shutil.rmtree(base)
+        shutil.rmtree(base)
     dist.barrier()
     dist.destroy_process_group()
 

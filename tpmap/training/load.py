@@ -224,7 +224,8 @@ def _write(plan: dict, model, optimizer, scheduler, shape: Shape) -> None:
 
 def _optimizer_state(manifest: dict, model, optimizer, reader: Reader, tp_rank: int) -> dict:
     """A torch optimizer state_dict for `optimizer` (parameters numbered in its groups' order), each state tensor
-    read under its parameter's current layout."""
+    read under its parameter's current layout: into the optimizer's own tensor when it has one of that shape and
+    dtype (load_state_dict then keeps it: no second copy of the state), else into a new one."""
     entries, _ = model_entries(model)
     layouts = {e.key[len("model/"):]: e.layout for e in entries}
     full_shapes = {e.key[len("model/"):]: e.full_shape for e in entries}
@@ -241,9 +242,13 @@ def _optimizer_state(manifest: dict, model, optimizer, reader: Reader, tp_rank: 
                     shaped = len(info["full_shape"]) > 0 and tuple(info["full_shape"]) == full_shapes[name]
                     layout = layouts[name] if shaped else None
                     local = tuple(p.shape) if shaped else tuple(info["full_shape"])
-                    out = torch.empty(local, dtype=getattr(torch, info["dtype"]))
+                    state_key = key.rsplit("/", 1)[1]
+                    out = optimizer.state.get(p, {}).get(state_key)  # filled in place when it is there already
+                    if not isinstance(out, torch.Tensor) or tuple(out.shape) != local or \
+                            out.dtype != getattr(torch, info["dtype"]):
+                        out = torch.empty(local, dtype=getattr(torch, info["dtype"]))
                     reader.fill(key, layout, tp_rank, out)
-                    values[key.rsplit("/", 1)[1]] = out
+                    values[state_key] = out
             if values:
                 state[index] = values
             numbers.append(index)
