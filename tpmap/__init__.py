@@ -36,6 +36,7 @@ from tpmap.parallelize.errors import HandleBusyError, HandleClosedError, Invalid
 from tpmap.parallelize.handle import CallTiming, Parallelized, Startup, parallelize
 from tpmap.parallelize.rank_processes import RankFailure, RemoteTraceback
 from tpmap.tool_errors import MissingInputError
+from tpmap.training.errors import TrainingCheckpointError
 
 __version__ = "0.1.0"
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "SequenceParallelError",
     "Startup",
     "TpmapError",
+    "TrainingCheckpointError",
     "UnknownModelTypeError",
     "UnsupportedConfigError",
     "apply",

@@ -6,6 +6,7 @@
     tpmap schema                                                 print the mapping JSON Schema
     tpmap models [-o MODELS.md]                                  the table of shipped mappings and their proofs
     tpmap draft MODEL_TYPE [-o FILE]                             write a starting mapping (a draft)
+    tpmap export-checkpoint CKPT OUT [--max-shard-size SIZE]     a training checkpoint as a transformers folder
 """
 from __future__ import annotations
 
@@ -123,6 +124,14 @@ def _draft(args) -> int:
     return 0
 
 
+def _export_checkpoint(args) -> int:
+    from tpmap import training
+
+    out = training.export(args.checkpoint, args.output, max_shard_size=args.max_shard_size)
+    print(f"tpmap export-checkpoint: wrote {out} (loads with AutoModelForCausalLM.from_pretrained)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpmap", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_type", metavar="MODEL_TYPE", help="a transformers config.model_type, e.g. mistral")
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of standard output")
     p.set_defaults(func=_draft)
+
+    p = sub.add_parser("export-checkpoint", help="a training checkpoint (tpmap.training) as a transformers folder",
+                       description="Assemble the model of a training checkpoint written by tpmap.training.save (its "
+                       "directory, whose latest step is read, or one step folder) into a standard save_pretrained "
+                       "folder, one tensor at a time, in one process. Optimizer state and RNG are left out.")
+    p.add_argument("checkpoint", metavar="CKPT", help="the training checkpoint directory or a step folder in it")
+    p.add_argument("output", metavar="OUT", help="the folder to write (config.json + safetensors)")
+    p.add_argument("--max-shard-size", default="50GB", help="split files above this size, as save_pretrained")
+    p.set_defaults(func=_export_checkpoint)
     return parser
 
 

@@ -8,6 +8,7 @@ Each floor defines its own, beside it, all subclassing `TpmapError` (a ValueErro
 * `tpmap.checkpoint.errors`  -- checkpoint folders and files, and a failure on another rank
 * `tpmap.parallelize.errors` -- `tpmap.parallelize` and its handle
 * `tpmap.tool_errors`        -- `tpmap draft` and `tpmap verify`
+* `tpmap.training.errors`    -- training checkpoints (`tpmap.training`)
 """
 from tpmap.api_errors import *  # noqa: F403
 from tpmap.api_errors import __all__ as _api
@@ -21,5 +22,7 @@ from tpmap.parallelize.errors import *  # noqa: F403
 from tpmap.parallelize.errors import __all__ as _parallelize
 from tpmap.tool_errors import *  # noqa: F403
 from tpmap.tool_errors import __all__ as _tools
+from tpmap.training.errors import *  # noqa: F403
+from tpmap.training.errors import __all__ as _training
 
-__all__ = sorted({*_language, *_engine, *_api, *_checkpoint, *_parallelize, *_tools})
+__all__ = sorted({*_language, *_engine, *_api, *_checkpoint, *_parallelize, *_tools, *_training})
