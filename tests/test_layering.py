@@ -26,6 +26,8 @@ FLOORS = (
     # registers its saving with checkpoint/save.py's delegate_saving) and checkpoint never imports peft
     ("checkpoint", ("tpmap.checkpoint",)),
     ("peft", ("tpmap.peft",)),
+    # training state (checkpoints of model + optimizer + RNG, resharding, Trainer): over checkpoint and peft
+    ("training", ("tpmap.training",)),
     ("parallelize", ("tpmap.parallelize",)),
     ("tools", ("tpmap.verify", "tpmap.lint", "tpmap.draft", "tpmap.catalog", "tpmap.meta", "tpmap.tool_errors")),
     ("cli", ("tpmap.cli", "tpmap.__main__")),
