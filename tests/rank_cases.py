@@ -605,9 +605,9 @@ def partial_mapping_warnings(refs: list[str], class_names: list[str]) -> list[di
     them back) and the parameter share this rank keeps."""
     import warnings
 
-    import tpmap.api
+    import tpmap.execute
 
-    tpmap.api._WARNED.clear()  # this worker process may have applied these mappings for earlier tests
+    tpmap.execute._WARNED.clear()  # this worker process may have applied these mappings for earlier tests
     ws = dist.get_world_size()
     out = []
     for ref, class_name in [(refs[0], class_names[0])] + list(zip(refs, class_names)):

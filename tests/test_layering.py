@@ -21,7 +21,7 @@ FLOORS = (
     ("mapping language", ("tpmap.language",)),
     ("engine", ("tpmap.engine",)),
     ("api", ("tpmap.api", "tpmap.api_errors", "tpmap.input_check", "tpmap.loss_parallel", "tpmap.compat",
-             "tpmap.prepare")),
+             "tpmap.prepare", "tpmap.execute")),
     # checkpoint and peft are one floor in the docs; inside it peft stands on checkpoint (peft/adapters.py
     # registers its saving with checkpoint/save.py's delegate_saving) and checkpoint never imports peft
     ("checkpoint", ("tpmap.checkpoint",)),

@@ -24,20 +24,20 @@ GENERATES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHe
 class Row:
     model_type: str
     classes: list[str]
-    forward_ws: list[int]
-    gradient_ws: list[int]
+    forward_tp_sizes: list[int]
+    gradient_tp_sizes: list[int]
     fp32_only: bool  # fp64 gradients declared not checkable (not_checked: grad_fp64)
-    generate_ws: list[int]
+    generate_tp_sizes: list[int]
     features: list[str]
-    share_ws4: float | None
+    share_at_4: float | None  # the share of the parameters one rank holds at tp_size 4
     notes: str
 
 
 def proven_checks(mapping) -> tuple[list[int], list[int], list[int]]:
     """(forward, gradient, generate) world sizes, as tests/test_mappings.py parametrizes them."""
-    forward = sorted({ws for spec in mapping.verify for ws in spec.world_sizes if ws > 1})
+    forward = sorted({tp_size for spec in mapping.verify for tp_size in spec.world_sizes if tp_size > 1})
     first = mapping.verify[0]
-    deep = [ws for ws in (2, 4) if ws in first.world_sizes]
+    deep = [tp_size for tp_size in (2, 4) if tp_size in first.world_sizes]
     generates = any(c.endswith(GENERATES) for c in first.models) and "generate" not in first.not_checked
     generate = deep if generates else []
     return forward, deep, generate
@@ -122,7 +122,7 @@ def rows() -> list[Row]:
 
 
 def render(table: list[Row]) -> str:
-    def ws(values: list[int]) -> str:
+    def sizes(values: list[int]) -> str:
         return ", ".join(map(str, values)) if values else "-"
 
     text, multimodal = auto_mapping_types()
@@ -151,15 +151,17 @@ def render(table: list[Row]) -> str:
         f"{len(by_kind['part'])} towers and other sub-models that the others compose (vision and audio encoders),"
         " each verified on its own. Types without a mapping and why: [docs/refused.md](docs/refused.md).",
     ]
+    # MODELS.md's column titles (tests/test_catalog.py pins the file): "ws" there is the tp_size
     header = ["| model type | classes | forward (ws) | gradients (ws) | generate (ws) | share at ws 4 | features "
               "| notes |", "|---|---|---|---|---|---|---|---|"]
     for kind, title in SECTIONS:
         lines += ["", f"## {title}", "", *header]
         for r in by_kind[kind]:
-            share = f"{r.share_ws4:.1%}" if r.share_ws4 is not None else "-"
-            gradients = ws(r.gradient_ws) + (" (fp32 only)" if r.gradient_ws and r.fp32_only else "")
-            lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {ws(r.forward_ws)} | {gradients} | "
-                         f"{ws(r.generate_ws)} | {share} | {', '.join(r.features)} | {r.notes.replace('|', '/')} |")
+            share = f"{r.share_at_4:.1%}" if r.share_at_4 is not None else "-"
+            gradients = sizes(r.gradient_tp_sizes) + (" (fp32 only)" if r.gradient_tp_sizes and r.fp32_only else "")
+            lines.append(f"| `{r.model_type}` | {', '.join(r.classes)} | {sizes(r.forward_tp_sizes)} | {gradients} | "
+                         f"{sizes(r.generate_tp_sizes)} | {share} | {', '.join(r.features)} | "
+                         f"{r.notes.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

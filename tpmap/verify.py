@@ -92,26 +92,49 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
     ids are left out. Random ids alone rarely land on a boundary, where an off-by-one in a
     vocabulary-parallel lookup shows.
     """
-    config = model.config
     declared = declared or {}
-    gen = torch.Generator().manual_seed(stable_seed(config.model_type) if seed is None else seed)
-    vocab = getattr(config.get_text_config(), "vocab_size", None)  # a multimodal config keeps it in text_config
+    gen = torch.Generator().manual_seed(stable_seed(model.config.model_type) if seed is None else seed)
+    ids = _IdDraw(model, gen, world_sizes)
+    inputs = _derived_inputs(model, declared, ids, batch, seq, pad)
+    lookup = _size_lookup(model.config, batch, seq)
+    for name, spec in declared.items():  # in order: a declared input may replace a derived one (the mask)
+        inputs[name] = _declared_input(name, spec, lookup, inputs, ids, gen, pad)
+    return inputs
+
+
+@dataclass(frozen=True)
+class _IdDraw:
+    """Token ids for one model, drawn from `gen` in [3, vocab_size), holding the vocabulary-shard boundaries
+    (`boundary_ids`) and the declared runs of one id (`place_runs`)."""
+    model: torch.nn.Module
+    gen: torch.Generator
+    world_sizes: tuple
+
+    @property
+    def vocab(self) -> int | None:
+        """The vocabulary size (a multimodal config keeps it in its text_config)."""
+        return getattr(self.model.config.get_text_config(), "vocab_size", None)
+
+    def __call__(self, name: str, shape: tuple, mask: torch.Tensor | None = None, runs=()) -> torch.Tensor:
+        out = torch.randint(3, self.vocab, shape, generator=self.gen)
+        boundaries = boundary_ids(self.model, self.world_sizes, decoder=name.startswith("decoder_"))
+        if not runs:
+            return place_ids(out, boundaries, self.gen, mask)
+        tokens = {t for t, _ in runs}
+        keep = place_runs(out, runs, mask, spare_id(self.model.config, self.vocab, tokens), name)
+        return place_ids(out, [b for b in boundaries if b not in tokens], self.gen, mask, keep)
+
+
+def _derived_inputs(model, declared: dict, ids: _IdDraw, batch: int, seq: int, pad: int) -> dict:
+    """The inputs that follow the model's class: `batch` x `seq` ``input_ids`` with their right-padded
+    ``attention_mask``, and an encoder-decoder's ``decoder_input_ids``; a main input whose shape tpmap cannot
+    derive, and not declared, raises `MissingInputError`."""
     main = getattr(model, "main_input_name", "input_ids")
     if main not in declared and main != "input_ids":
         raise MissingInputError(
             f"{type(model).__name__}'s main input is {main!r}, whose shape tpmap cannot derive; declare it in the "
             f"verify config, e.g. inputs: {{{main}: {{shape: [batch, ...], kind: float}}}}"
         )
-
-    def ids(name: str, shape: tuple, mask: torch.Tensor | None = None, runs=()) -> torch.Tensor:
-        out = torch.randint(3, vocab, shape, generator=gen)
-        boundaries = boundary_ids(model, world_sizes, decoder=name.startswith("decoder_"))
-        if not runs:
-            return place_ids(out, boundaries, gen, mask)
-        tokens = {t for t, _ in runs}
-        keep = place_runs(out, runs, mask, spare_id(config, vocab, tokens), name)
-        return place_ids(out, [b for b in boundaries if b not in tokens], gen, mask, keep)
-
     takes_ids = "input_ids" in inspect.signature(model.forward).parameters
     if main == "input_ids" and not takes_ids and not declared:
         raise MissingInputError(
@@ -123,9 +146,14 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
         mask = _mask((batch, seq), pad)
         inputs["input_ids"] = ids("input_ids", (batch, seq), mask)
         inputs["attention_mask"] = mask
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids("decoder_input_ids", (batch, seq // 2 + 1))
+    return inputs
 
+
+def _size_lookup(config, batch: int, seq: int):
+    """The names a declared input's expressions read: ``batch``, ``seq`` and config attributes (a dotted name
+    reads a sub-config's)."""
     def lookup(name: str) -> int:
         sizes = {"batch": batch, "seq": seq}
         if name in sizes:
@@ -138,43 +166,54 @@ def example_inputs(model, declared: dict | None = None, batch: int = 2, seq: int
             value = getattr(value, part)
         return value
 
-    for name, spec in declared.items():
-        shape = tuple(expr.evaluate(dim, lookup) for dim in spec.shape)
-        if spec.kind == "ids":
-            derived = inputs.get("attention_mask") if name == "input_ids" else None
-            mask = derived if derived is not None and tuple(derived.shape) == shape else None
-            runs = [(expr.evaluate(t.id, lookup), expr.evaluate(t.count, lookup)) for t in spec.tokens]
-            inputs[name] = ids(name, shape, mask, runs)
-        elif spec.kind == "float":
-            inputs[name] = torch.randn(shape, generator=gen)
-            if spec.grid:  # flattened patches led by their (row, column) on the grid, counted from 1
-                width, height = (expr.evaluate(v, lookup) for v in spec.grid)
-                if len(shape) < 2 or shape[-2] != width * height or shape[-1] < 3:
-                    raise MissingInputError(
-                        f"{name}: a {width} x {height} grid has {width * height} patches, each led by its (row, "
-                        f"column), so its last two dimensions are [{width * height}, 2 + features], not "
-                        f"{list(shape[-2:])}")
-                patch = torch.arange(width * height)
-                inputs[name][..., 0] = (patch // width + 1).float()
-                inputs[name][..., 1] = (patch % width + 1).float()
-        elif spec.kind == "values":
-            row = [expr.evaluate(v, lookup) for v in spec.values]
-            if shape[-1] != len(row):
-                raise MissingInputError(f"{name}: {len(row)} values for a last dimension of {shape[-1]} "
-                                        f"(shape {shape}); give one value per element")
-            inputs[name] = torch.tensor(row, dtype=torch.long).expand(shape).clone()
-        elif spec.kind == "grid":
-            width, height = (expr.evaluate(v, lookup) for v in spec.grid)
-            if shape[-2:] != (width * height, 2):
-                raise MissingInputError(f"{name}: a {width} x {height} grid has {width * height} cells of (x, y), "
-                                        f"so its last two dimensions are [{width * height}, 2], not {list(shape[-2:])}")
-            cell = torch.arange(width * height)
-            inputs[name] = torch.stack([cell % width, cell // width], -1).expand(shape).clone()  # (..., W*H, 2)
-        elif spec.kind == "bool":
-            inputs[name] = torch.ones(shape, dtype=torch.bool)
-        else:
-            inputs[name] = _mask(shape, pad)
-    return inputs
+    return lookup
+
+
+def _declared_input(name: str, spec, lookup, inputs: dict, ids: _IdDraw, gen: torch.Generator,
+                    pad: int) -> torch.Tensor:
+    """One declared input (`tpmap.language.schema.ExampleInput`), by its kind; `inputs` are those made so far."""
+    shape = tuple(expr.evaluate(dim, lookup) for dim in spec.shape)
+    if spec.kind == "ids":
+        derived = inputs.get("attention_mask") if name == "input_ids" else None
+        mask = derived if derived is not None and tuple(derived.shape) == shape else None
+        runs = [(expr.evaluate(t.id, lookup), expr.evaluate(t.count, lookup)) for t in spec.tokens]
+        return ids(name, shape, mask, runs)
+    if spec.kind == "float":
+        return _floats(name, spec, shape, lookup, gen)
+    if spec.kind == "values":
+        row = [expr.evaluate(v, lookup) for v in spec.values]
+        if shape[-1] != len(row):
+            raise MissingInputError(f"{name}: {len(row)} values for a last dimension of {shape[-1]} "
+                                    f"(shape {shape}); give one value per element")
+        return torch.tensor(row, dtype=torch.long).expand(shape).clone()
+    if spec.kind == "grid":
+        width, height = (expr.evaluate(v, lookup) for v in spec.grid)
+        if shape[-2:] != (width * height, 2):
+            raise MissingInputError(f"{name}: a {width} x {height} grid has {width * height} cells of (x, y), "
+                                    f"so its last two dimensions are [{width * height}, 2], not {list(shape[-2:])}")
+        cell = torch.arange(width * height)
+        return torch.stack([cell % width, cell // width], -1).expand(shape).clone()  # (..., W*H, 2)
+    if spec.kind == "bool":
+        return torch.ones(shape, dtype=torch.bool)
+    return _mask(shape, pad)
+
+
+def _floats(name: str, spec, shape: tuple, lookup, gen: torch.Generator) -> torch.Tensor:
+    """Standard normal values; with a ``grid``, flattened patches led by their (row, column) on the grid,
+    counted from 1."""
+    out = torch.randn(shape, generator=gen)
+    if not spec.grid:
+        return out
+    width, height = (expr.evaluate(v, lookup) for v in spec.grid)
+    if len(shape) < 2 or shape[-2] != width * height or shape[-1] < 3:
+        raise MissingInputError(
+            f"{name}: a {width} x {height} grid has {width * height} patches, each led by its (row, "
+            f"column), so its last two dimensions are [{width * height}, 2 + features], not "
+            f"{list(shape[-2:])}")
+    patch = torch.arange(width * height)
+    out[..., 0] = (patch // width + 1).float()
+    out[..., 1] = (patch % width + 1).float()
+    return out
 
 
 def stable_seed(name: str) -> int:
@@ -186,10 +225,10 @@ def stable_seed(name: str) -> int:
 
 def vocab_boundaries(vocab: int, world_sizes) -> list[int]:
     """The first and last row of every rank's shard of a `vocab`-row vocabulary at each world size, and
-    vocab - 1: under the padded split, ceil(V / ws) rows per rank, rank r from row r * ceil(V / ws)."""
+    vocab - 1: under the padded split, ceil(V / tp_size) rows per rank, rank r from row r * ceil(V / tp_size)."""
     out = {vocab - 1}
-    for ws in world_sizes:
-        per = -(-vocab // ws)
+    for tp_size in world_sizes:
+        per = -(-vocab // tp_size)
         for start in range(0, vocab, per):
             out |= {start, min(start + per, vocab) - 1}
     return sorted(out)
@@ -290,7 +329,7 @@ def case_inputs(ref: str, verify_index: int, model) -> dict:
     A model whose inputs cannot be made raises a `MappingError` located at that verify config."""
     loaded = resolve(ref)
     spec = loaded.mapping.verify[verify_index]
-    world_sizes = sorted({ws for v in loaded.mapping.verify for ws in v.world_sizes if ws > 1})
+    world_sizes = sorted({tp_size for v in loaded.mapping.verify for tp_size in v.world_sizes if tp_size > 1})
     try:  # a seed of its own per mapping and config; the shard boundaries of every world size it verifies
         return example_inputs(model, spec.inputs, seed=stable_seed(f"{loaded.mapping.model_type}/{spec.name}"),
                               world_sizes=world_sizes)
@@ -314,18 +353,18 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     """Runs on each rank: full vs sharded forward. Returns numbers for the report."""
     import torch.distributed as dist
 
-    ws = dist.get_world_size() if dist.is_initialized() else 1
+    tp_size = dist.get_world_size() if dist.is_initialized() else 1
     loaded = resolve(ref)
     full = build_model(ref, verify_index, class_name)
     inputs = case_inputs(ref, verify_index, full)
     with torch.no_grad():
         reference = main_output(full(**inputs))
 
-    sharded = apply(copy.deepcopy(full), ws, mapping=loaded)
+    sharded = apply(copy.deepcopy(full), tp_size, mapping=loaded)
     with torch.no_grad(), counting_collectives() as comm:
         got = main_output(sharded(**inputs))
     plan = getattr(sharded, "tpmap_plan", None)
-    bad_fraction = []  # each split parameter holds 1/ws of the original (ceil(V/ws) rows when padded)
+    bad_fraction = []  # each split parameter holds 1/tp_size of the original (ceil(V/tp_size) rows when padded)
     if plan is not None:
         local = dict(sharded.named_parameters(remove_duplicate=False))
         local |= dict(sharded.named_buffers(remove_duplicate=False))  # a Param entry may split a buffer
@@ -333,8 +372,9 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
             if shard.dim is None or shard.replicated_heads:
                 continue
             dim = shard.full_shape[shard.dim]
-            want = torch.Size(shard.full_shape).numel() // dim * (-(-dim // ws) if shard.local_size else dim // ws)
-            if local[shard.name].numel() != want or (not shard.local_size and dim % ws):
+            per_rank = -(-dim // tp_size) if shard.local_size else dim // tp_size
+            want = torch.Size(shard.full_shape).numel() // dim * per_rank
+            if local[shard.name].numel() != want or (not shard.local_size and dim % tp_size):
                 bad_fraction.append(f"{shard.name}: {local[shard.name].numel()} elements, expected {want}")
     return {
         "max_diff": (got - reference).abs().max().item() if got.shape == reference.shape else float("inf"),
@@ -376,11 +416,11 @@ def cases(refs, world_sizes=None) -> list[Case]:
     for ref in refs:
         mapping = resolve(ref).mapping
         for i, spec in enumerate(mapping.verify):
-            for ws in spec.world_sizes:
-                if world_sizes and ws not in world_sizes:
+            for tp_size in spec.world_sizes:
+                if world_sizes and tp_size not in world_sizes:
                     continue
                 out.extend(Case(ref=ref, model_type=mapping.model_type, verify_index=i, config_name=spec.name,
-                                   class_name=cls, world_size=ws) for cls in spec.models)
+                                   class_name=cls, world_size=tp_size) for cls in spec.models)
     return out
 
 
@@ -406,9 +446,9 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool 
     """Run the cases, one RankPool per world size; world size 1 runs in this process. A failing case
     reports one line per rank (its exception); `verbose` gives every rank's whole traceback."""
     results = []
-    for ws in sorted({c.world_size for c in case_list}):
-        todo = [c for c in case_list if c.world_size == ws]
-        pool = RankPool(ws) if ws > 1 else None
+    for tp_size in sorted({c.world_size for c in case_list}):
+        todo = [c for c in case_list if c.world_size == tp_size]
+        pool = RankPool(tp_size) if tp_size > 1 else None
         try:
             for case in todo:
                 t0 = time.monotonic()
@@ -428,8 +468,8 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool 
     return results
 
 
-HEADER = (f"{'model_type':<12} {'config':<9} {'class':<32} {'ws':>2} {'max|diff|':>10} {'rel':>9} {'params/rank':>12} "
-          f"{'of full':>8} {'comm/fwd':>9}  result")
+HEADER = (f"{'model_type':<12} {'config':<9} {'class':<32} {'tp_size':>7} {'max|diff|':>10} {'rel':>9} "
+          f"{'params/rank':>12} {'of full':>8} {'comm/fwd':>9}  result")
 
 
 def comm_summary(counts: dict | None) -> str:
@@ -447,10 +487,10 @@ def comm_summary(counts: dict | None) -> str:
 def _row(r: Result, seconds: float) -> str:
     c = r.case
     if r.max_diff is None:
-        return (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>2} {'-':>10} {'-':>9} "
+        return (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>7} {'-':>10} {'-':>9} "
                 f"{'-':>12} {'-':>8} {'-':>9}  FAIL\n{r.error}")
     frac = r.params_local / r.params_full
-    line = (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>2} {r.max_diff:>10.2e} "
+    line = (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>7} {r.max_diff:>10.2e} "
             f"{r.rel_diff:>9.1e} {r.params_local:>12,} {frac:>8.1%} {comm_summary(r.collectives):>9}  "
             f"{'pass' if r.passed else 'FAIL'} ({seconds:.1f}s)")
     return line + (f"\n    {r.error}" if r.error else "")

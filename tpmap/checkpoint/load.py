@@ -9,12 +9,12 @@ the loading report, the generation config); only the reading differs:
 2. refuse quantized checkpoints other than FP8 block-scaled and compressed-tensors ones, whose weights are paired
    with their scales and dequantized as they are read (`tpmap.checkpoint.fp8`, `tpmap.checkpoint.compressed`);
    build the model on the meta device, match checkpoint names to model tensors (`tpmap.checkpoint.conversion`)
-   and check every shape; tie weights; build the plan (`engine.planner.build_plan`, every mapping check);
-   up to here every bad input raises on every rank alike, before any collective;
+   and check every shape; tie weights; build the plan (`tpmap.prepare.prepare`: every mapping check, the
+   options); up to here every bad input raises on every rank alike, before any collective;
 3. materialize and initialize what the checkpoint lacks (missing weights, non-persistent buffers such
    as rotary ``inv_freq``) on the full-size model exactly as transformers does, so random init and
    computed buffers equal those of a fully loaded model;
-4. read the tensors that stay whole, then execute the plan (`tpmap.api.apply_plan`) with a reader that
+4. read the tensors that stay whole, then execute the plan (`tpmap.execute.apply_plan`) with a reader that
    reads each split tensor's slice for this rank from the file instead of slicing a loaded tensor;
 5. with ``quantization_config=TorchAoConfig(...)``: quantize each rank's slices with the scales the whole weights
    would get (`tpmap.checkpoint.quantize`; which weights, and a group a boundary would cut, decided in step 2);
@@ -31,16 +31,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpmap import api
 from tpmap.checkpoint import compressed, conversion, quantize
 from tpmap.checkpoint.errors import CheckpointError, OtherRankError
 from tpmap.checkpoint.fp8 import Fp8Scales, block_size
 from tpmap.checkpoint.safetensors import Checkpoint
 from tpmap.engine import planner
 from tpmap.engine.errors import UnsupportedConfigError
-from tpmap.engine.sequence_plan import plan_sequence_parallel
+from tpmap.engine.plan import Plan
 from tpmap.engine.shard import take
+from tpmap.execute import apply_plan
 from tpmap.language.errors import TpmapError
+from tpmap.language.source import MappingFile
+from tpmap.prepare import Place, Prepared, prepare, read_mapping
 
 # transformers' from_pretrained arguments that place, quantize or supply weights some other way
 _NOT_HERE = {
@@ -87,49 +89,111 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         model = tpmap.from_pretrained("path/to/Llama-3-8B", dtype=torch.bfloat16,
                                       device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
     """
-    import transformers.modeling_utils as hf_modeling
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.utils.loading_report import (
-        LoadStateDictInfo,
-        log_state_dict_report,
-    )
-
-    group = api.process_group(group)
-    tp_size, tp_rank = api.resolve_group(world_size, group)
+    place = Place.of(world_size, group)
     torchao_config = quantize.torchao_config(quantization_config)
     request = _Request.of(path, dtype, hf_kwargs)
-    folder, kwargs, generation_config = request.folder, request.config_kwargs, request.generation_config
     device = torch.device(device) if device is not None else torch.device("cpu")
+    opened = _open(request, model_class, mapping, place, device)
+    prepared = prepare(opened.model, opened.loaded, place, loss_parallel=loss_parallel,
+                       sequence_parallel=sequence_parallel, check_inputs=check_inputs)
+    on_load = _quantization(opened, prepared.plan, torchao_config, request.folder)
+    missing = _missing(opened.model, opened.sources)
+    failure = _read(opened, prepared, on_load, missing, device)
+    _agree(failure, place.tp_size, place.group, device)
+    return _finish(opened, request, missing, place.tp_rank)
 
-    checkpoint = Checkpoint.open(folder, request.variant)
+
+@dataclass(frozen=True, kw_only=True)
+class _Opened:
+    """A checkpoint folder opened against its meta model (step 2 up to the plan): the names matched, the weights
+    tied, the reader that steps 3-5 read through."""
+    checkpoint: Checkpoint
+    model: nn.Module  # on the meta device, tied as transformers ties it after loading
+    loaded: MappingFile
+    dequantizer: Fp8Scales | compressed.CompressedWeights | None  # None: a checkpoint stored unquantized
+    conversions: list  # transformers' weight conversions for the model
+    sources: dict  # model tensor name -> where the checkpoint holds it
+    unexpected: set[str]  # checkpoint names no model tensor takes
+    reader: conversion.Reader
+    progress: object  # the tqdm bar
+
+
+def _open(request: _Request, model_class, mapping, place: Place, device: torch.device) -> _Opened:
+    """Steps 1-2 up to the plan: the folder opened, the meta model built, its mapping read, checkpoint names
+    matched to model tensors (every shape checked) and weights tied; every error alike on every rank."""
+    import transformers.modeling_utils as hf_modeling
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    checkpoint = Checkpoint.open(request.folder, request.variant)
     model, dtype = _meta_model(request, checkpoint, model_class)
-    block = block_size(folder, model.config)  # None: not quantized; every quantization but FP8 blocks is refused
-    # the stored weights' scales, to dequantize them as they are read (None: a checkpoint stored unquantized)
-    dequantizer = Fp8Scales.take(checkpoint, block) if block is not None else None
-    if compressed.is_compressed(model.config):  # compressed-tensors: paired and checked like FP8's scales
-        dequantizer = compressed.CompressedWeights.take(checkpoint, folder, model.config)
-    loaded = api.read_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
+    dequantizer = _dequantizer(checkpoint, request.folder, model.config)
+    loaded = read_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
     if isinstance(dequantizer, compressed.CompressedWeights):
         dequantizer.in_model_dtype = {s.stored[0][1].name for s in sources.values() if s.converter is None}
     dtype_of = _dtypes(model, dtype)
-
-    progress = _progress(tp_rank, "Loading tensor-parallel weights" if tp_size > 1 else "Loading weights")
+    progress = _progress(place.tp_rank,
+                         "Loading tensor-parallel weights" if place.tp_size > 1 else "Loading weights")
     reader = conversion.Reader(model, sources, dtype_of, device, progress, dequantizer)
     _tie(model, reader, hf_modeling.logger)
-    plan = planner.build_plan(model, loaded, tp_size)
-    api.check_loss_parallel(plan, loaded, model, loss_parallel)
-    sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None
+    return _Opened(checkpoint=checkpoint, model=model, loaded=loaded, dequantizer=dequantizer,
+                   conversions=conversions, sources=sources, unexpected=unexpected, reader=reader, progress=progress)
+
+
+def _dequantizer(checkpoint: Checkpoint, folder: Path, config):
+    """What dequantizes the stored weights as they are read: FP8 block scales, compressed-tensors' weights paired
+    and checked, or None for a checkpoint stored unquantized; every other quantization is refused here."""
+    block = block_size(folder, config)  # None: not quantized; every quantization but FP8 blocks is refused
+    dequantizer = Fp8Scales.take(checkpoint, block) if block is not None else None
+    if compressed.is_compressed(config):  # compressed-tensors: paired and checked like FP8's scales
+        dequantizer = compressed.CompressedWeights.take(checkpoint, folder, config)
+    return dequantizer
+
+
+def _quantization(opened: _Opened, plan: Plan, torchao_config, folder: Path):
+    """The last checks of step 2: a compressed-tensors group a shard boundary would cut, and quantization_config=
+    on a checkpoint stored quantized, are refused. Returns step 5's quantization (None: not asked)."""
+    model, loaded, dequantizer = opened.model, opened.loaded, opened.dequantizer
+
+    def plan_at(tp_size: int):
+        return _plan_or_none(model, loaded, tp_size)
+
     if isinstance(dequantizer, compressed.CompressedWeights):
-        compressed.refuse_cut_groups(dequantizer, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
-    on_load = None
-    if torchao_config is not None:
-        if dequantizer is not None:
-            raise UnsupportedConfigError(f"{folder} is stored quantized; quantization_config= quantizes "
-                                         "an unquantized checkpoint on load: drop one of the two")
-        on_load = quantize.OnLoadQuantization(torchao_config, model, plan, lambda ws: _plan_or_none(model, loaded, ws))
-    missing = _missing(model, sources)
+        compressed.refuse_cut_groups(dequantizer, opened.sources, plan, plan_at)
+    if torchao_config is None:
+        return None
+    if dequantizer is not None:
+        raise UnsupportedConfigError(f"{folder} is stored quantized; quantization_config= quantizes "
+                                     "an unquantized checkpoint on load: drop one of the two")
+    return quantize.OnLoadQuantization(torchao_config, model, plan, plan_at)
+
+
+def _read(opened: _Opened, prepared: Prepared, on_load, missing: set[str], device: torch.device):
+    """Steps 3-5 on this rank: initialize what the checkpoint lacks, read the whole tensors, execute the plan
+    with a reader of this rank's slices, quantize. Returns the exception this rank failed with (None: none), for
+    every rank to learn of it (`_agree`) before raising."""
+    model, plan, place = opened.model, prepared.plan, prepared.place
+    try:
+        _initialize_missing(model, missing, device)
+        opened.progress.total = _load_whole(model, plan if place.tp_size > 1 else None, place.tp_rank,
+                                            opened.reader, opened.sources)
+        if place.tp_size > 1:
+            apply_plan(model, prepared, read=_slice_reader(opened))
+        _check_materialized(model)
+        if on_load is not None:
+            on_load.apply(model, place.group)
+    except Exception as e:  # every rank must learn of it (_agree) before raising, or the others would hang later
+        return e
+    finally:
+        opened.progress.close()
+        opened.checkpoint.close()
+    return None
+
+
+def _slice_reader(opened: _Opened):
+    """`engine.shard.execute`'s `read`: a split tensor's slice for a rank, read from the checkpoint."""
+    sources, reader = opened.sources, opened.reader
 
     def read(full: torch.Tensor, shard, rank: int) -> torch.Tensor:
         if full.device.type != "meta":  # initialized here (missing from the checkpoint) or a computed buffer
@@ -138,27 +202,23 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
         assert name is not None, f"{shard.name} is on meta but neither in the checkpoint nor initialized"
         return reader.local(name, shard, rank)
 
-    failure = None
-    try:
-        _initialize_missing(model, missing, device)
-        progress.total = _load_whole(model, plan if tp_size > 1 else None, tp_rank, reader, sources)
-        if tp_size > 1:
-            api.apply_plan(model, plan, tp_rank, group, loss_parallel=loss_parallel, check_inputs=check_inputs,
-                           read=read, sequence=sequence)
-        _check_materialized(model)
-        if on_load is not None:
-            on_load.apply(model, group)
-    except Exception as e:  # every rank must learn of it (below) before raising, or the others would hang later
-        failure = e
-    finally:
-        progress.close()
-        checkpoint.close()
-    _agree(failure, tp_size, group, device)
+    return read
 
-    model._weight_conversions = [c for c in conversions if c.was_used()]  # save_pretrained reverts these
-    if dequantizer is not None and hasattr(model.config, "quantization_config"):
+
+def _finish(opened: _Opened, request: _Request, missing: set[str], tp_rank: int):
+    """What transformers does after loading: the conversions save_pretrained reverts, the loading report
+    (logged on rank 0), eval mode, the generation config. Returns the model, or (model, info)."""
+    import transformers.modeling_utils as hf_modeling
+    from transformers.utils.loading_report import (
+        LoadStateDictInfo,
+        log_state_dict_report,
+    )
+
+    model, folder = opened.model, request.folder
+    model._weight_conversions = [c for c in opened.conversions if c.was_used()]  # save_pretrained reverts these
+    if opened.dequantizer is not None and hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # dequantized, as transformers leaves it: saved, a plain checkpoint
-    info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
+    info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=opened.unexpected, mismatched_keys=set(),
                              conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
     model._adjust_missing_and_unexpected_keys(info)
     if tp_rank == 0:
@@ -166,15 +226,16 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
                               loading_info=info, logger=hf_modeling.logger)
     model.eval()
     if model.can_generate() and hasattr(model, "adjust_generation_fn"):
-        model.adjust_generation_fn(generation_config, False, None, str(folder), cache_dir=None, force_download=False,
-                                   proxies=None, local_files_only=True, token=None, revision=None, subfolder="",
-                                   trust_remote_code=request.trust_remote_code, **kwargs)
+        model.adjust_generation_fn(request.generation_config, False, None, str(folder), cache_dir=None,
+                                   force_download=False, proxies=None, local_files_only=True, token=None,
+                                   revision=None, subfolder="", trust_remote_code=request.trust_remote_code,
+                                   **request.config_kwargs)
     return (model, info.to_dict()) if request.output_loading_info else model
 
 
-def _plan_or_none(model, loaded, ws: int):
+def _plan_or_none(model, loaded, tp_size: int):
     try:
-        return planner.build_plan(model, loaded, ws)
+        return planner.build_plan(model, loaded, tp_size)
     except TpmapError:  # (heads that the world size does not divide, ...)
         return None
 
@@ -194,12 +255,13 @@ def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapp
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
         weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
                    if compressed.is_compressed(model.config) else None)
-        loaded = api.read_mapping(model, mapping)
-        plan = planner.build_plan(model, loaded, world_size)
+        loaded = read_mapping(model, mapping)
+        plan = prepare(model, loaded, Place.planning(world_size)).plan
         if weights is not None:
             conversions = get_model_conversion_mapping(model, request.key_mapping, None)
             sources, _ = conversion.match_checkpoint_names(model, checkpoint, conversions)
-            compressed.refuse_cut_groups(weights, sources, plan, lambda ws: _plan_or_none(model, loaded, ws))
+            compressed.refuse_cut_groups(weights, sources, plan,
+                                         lambda tp_size: _plan_or_none(model, loaded, tp_size))
     finally:
         checkpoint.close()
     return plan

@@ -122,7 +122,7 @@ def analyse_block(weights: list[Weight], stream: int, heads: int, head_dim: int 
     free = [w for w in weights if not w.embedding]
     result.head_embeddings = [w for w in weights if w.embedding and w.fan_out == heads]
     result.whole = [w for w in weights if w.embedding and w.fan_out != heads]
-    for finder in (lambda ws: attention_groups(ws, heads, head_dim), lambda ws: mlp_groups(ws, stream)):
+    for finder in (lambda found: attention_groups(found, heads, head_dim), lambda found: mlp_groups(found, stream)):
         for group in finder(free):
             result.groups.append(group)
             free = [w for w in free if all(w is not g for g in group.columns + [group.row])]

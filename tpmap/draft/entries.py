@@ -386,9 +386,9 @@ def vocab_parallel(model) -> tuple[dict[str, bool] | None, list[str]]:
 def supported_world_sizes(model, loaded, candidates) -> list[int]:
     """The world sizes at which the engine's planner accepts the mapping on `model`."""
     out = []
-    for ws in candidates:
+    for tp_size in candidates:
         errors: list = []
-        planner.build_plan(model, loaded, ws, errors)
+        planner.build_plan(model, loaded, tp_size, errors)
         if not errors:
-            out.append(ws)
+            out.append(tp_size)
     return out

@@ -374,7 +374,7 @@ class Param(_Layout, _Entry):
     their gradients are zeroed), so the sum adds it once: ``sum_r (y_r + b [r == 0]) = y + b``.
 
     Example: ``{kind: Param, module: "layers.*.mlp.experts", params: [gate_up_proj], dim: 1, sections: 2}``
-    gives each rank ``[E, 2I/ws, H]`` = ``[gate_r | up_r]`` of every expert.
+    gives each rank ``[E, 2I/tp_size, H]`` = ``[gate_r | up_r]`` of every expert.
     """
     kind: Literal["Param"]
     module: Pattern = Field(description="modules that own the tensors")
@@ -623,7 +623,8 @@ class VocabParallel(_Strict):
     that shares the embedding's weight (tied heads, per-stack copies) shares the one sharded weight.
     A vocabulary that the world size does not divide is padded; padded logits never reach outputs."""
     embedding: StrictBool = Field(
-        True, description="rank r holds rows [r*V/ws, (r+1)*V/ws) of the input embedding: masked lookup + all-reduce"
+        True, description="rank r holds rows [r*V/tp_size, (r+1)*V/tp_size) of the input embedding: masked lookup + "
+        "all-reduce"
     )
     lm_head: StrictBool = Field(
         True, description="rank r computes the logits of its vocabulary rows; they are all-gathered (full logits "

@@ -256,164 +256,227 @@ class _Report:
 def structural(loaded: MappingFile) -> list[Diagnostic]:
     """Every problem of a mapping that passed the schema, found against the real model classes."""
     mapping, src = loaded.mapping, loaded.source
-    report = _Report()
     if not mapping_applies(mapping.transformers):
         note = Diagnostic.at(src.value(("transformers",)), "transformers-version",
                              f"not checked: the mapping needs transformers{mapping.transformers}, and "
                              f"{transformers.__version__} is installed")
         return [dataclasses.replace(note, severity="note")]
+    report = _Report()
     for d in release_never(loaded):
         report.add(d)
+    default = _default_config(loaded, report)
+    if default is None:
+        return report.items
+    valid_keys = config_keys(default)
+    section = _verify_section(loaded, default, valid_keys, report)
+    for d in when_attributes(loaded, default, valid_keys):
+        report.add(d)
+    report.add_errors(planner.check_expressions(default, loaded))
+    checks = _ModelChecks(loaded, report)
+    _check_default_config(checks, default, section)
+    configs = [("the default config", default), *_check_verify_configs(checks, section)]  # every config, for `when`
+    for d in when_never(loaded, configs) + layer_never(loaded, configs):
+        report.add(d)
+    checks.finish()
+    return report.items
+
+
+def _default_config(loaded: MappingFile, report: _Report):
+    """The model type's default config with at most 2 layers, or None (reported) where there is none."""
+    mapping, src = loaded.mapping, loaded.source
     if mapping.model_type not in transformers.CONFIG_MAPPING:
         report.add(Diagnostic.at(src.value(("model_type",)), "unknown-model-type",
                                  f"{mapping.model_type!r} is not a model_type of transformers "
                                  f"{transformers.__version__}"
                                  f"{did_you_mean(mapping.model_type, transformers.CONFIG_MAPPING)}"))
-        return report.items
+        return None
     try:
-        default = reduced_default_config(mapping.model_type, mapping.default_config)
+        return reduced_default_config(mapping.model_type, mapping.default_config)
     except Exception as e:  # a config class rejecting its own defaults with 2 layers: reported, not hidden
         report.add(Diagnostic.at(src.value(("model_type",)), "model-build",
                                  f"the default config of {mapping.model_type!r} with at most 2 layers is rejected: "
                                  f"{type(e).__name__}: {e}"))
-        return report.items
+        return None
 
-    # the verify section: known classes of this model type, known config keys
-    classes: list[list] = []  # per verify spec: the classes that resolved
-    verify_configs: list = []  # per verify spec: its config, or the exception its __init__ raised (reported below)
-    valid_keys = config_keys(default)
+
+@dataclasses.dataclass
+class _VerifySection:
+    """The verify section, resolved: per verify spec, the classes that resolved and its config (or the
+    exception the config's __init__ raised, reported when its models are checked)."""
+    classes: list[list] = dataclasses.field(default_factory=list)
+    configs: list = dataclasses.field(default_factory=list)
+
+
+def _verify_section(loaded: MappingFile, default, valid_keys: set[str], report: _Report) -> _VerifySection:
+    """Known classes of this model type, known config keys, declared inputs, per verify spec."""
+    mapping, src = loaded.mapping, loaded.source
+    section = _VerifySection()
     for v, spec in enumerate(mapping.verify):
-        found = []
-        for j, name in enumerate(spec.models):
-            cls = getattr(transformers, name, None) if name.isidentifier() else None
-            pos = src.value(("verify", v, "models", j))
-            config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
-            if cls is None or not isinstance(cls, type) or not hasattr(cls, "base_model_prefix"):
-                report.add(Diagnostic.at(pos, "unknown-model-class",
-                                         f"{name!r} is not a transformers model class; use a class name such as "
-                                         f"{_example_class(type(default))}"))
-            elif config_type != mapping.model_type and name not in auto_classes(mapping.model_type):
-                report.add(Diagnostic.at(pos, "unknown-model-class",
-                                         f"{name} is a model class for model_type {config_type!r}, not "
-                                         f"{mapping.model_type!r}"))
-            else:
-                found.append(cls)
-        classes.append(found)
+        found = _verify_classes(loaded, v, default, report)
+        section.classes.append(found)
         for key in spec.config:
             if key not in valid_keys and not any(_reads(c, key) for c in found):
                 report.add(Diagnostic.at(src.key(("verify", v, "config", key)), "config-attribute",
                                          f"{type(default).__name__} has no attribute {key!r}"
                                          f"{did_you_mean(key, valid_keys)}; AutoConfig would silently keep it"))
         try:
-            verify_configs.append(transformers.AutoConfig.for_model(mapping.model_type, **spec.config))
+            section.configs.append(transformers.AutoConfig.for_model(mapping.model_type, **spec.config))
         except Exception as e:  # a config __init__ rejecting values: reported with the embedded configs below
-            verify_configs.append(e)
+            section.configs.append(e)
         # dotted input names read this config's sub-configs (a tower the default config lacks)
-        own = verify_configs[v] if not isinstance(verify_configs[v], Exception) else default
+        own = section.configs[v] if not isinstance(section.configs[v], Exception) else default
         for d in verify_inputs(loaded, v, found, valid_keys | set(spec.config), own):
             report.add(d)
-    for d in when_attributes(loaded, default, valid_keys):
-        report.add(d)
-    report.add_errors(planner.check_expressions(default, loaded))
-    configs = [("the default config", default)]  # every config lint checks, for `when`
+    return section
 
-    replicated_hit: set[tuple] = set()  # places of the replicated patterns that matched
-    models: list[tuple[str, list[str], str]] = []  # (class name, module names, base prefix) checked
 
-    # The default config is cut to 2 blocks, which may lack a kind of block that comes later (DeepSeek's
-    # MoE layers from first_k_dense_replace = 3 on): an entry matching nothing there is reported only if
-    # it matches nothing in the verify configs' models either (those run whole, as `tpmap verify` runs them).
-    unmatched_in_default: dict[tuple, TpmapError] = {}
-    unmatched_later: list[tuple[TpmapError, str]] = []  # the same entries unmatched in a verify config
-    last = {"expanded": loaded}  # the mapping as the last model checked expanded it (compose)
-    entry_hit: set[tuple] = set()  # places of the entries whose pattern matches in a verify config's model
+def _verify_classes(loaded: MappingFile, v: int, default, report: _Report) -> list:
+    """The classes verify spec `v` names that are transformers model classes of this model type."""
+    mapping, src = loaded.mapping, loaded.source
+    found = []
+    for j, name in enumerate(mapping.verify[v].models):
+        cls = getattr(transformers, name, None) if name.isidentifier() else None
+        pos = src.value(("verify", v, "models", j))
+        config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+        if cls is None or not isinstance(cls, type) or not hasattr(cls, "base_model_prefix"):
+            report.add(Diagnostic.at(pos, "unknown-model-class",
+                                     f"{name!r} is not a transformers model class; use a class name such as "
+                                     f"{_example_class(type(default))}"))
+        elif config_type != mapping.model_type and name not in auto_classes(mapping.model_type):
+            report.add(Diagnostic.at(pos, "unknown-model-class",
+                                     f"{name} is a model class for model_type {config_type!r}, not "
+                                     f"{mapping.model_type!r}"))
+        else:
+            found.append(cls)
+    return found
 
-    def check(model, tp_size: int, label: str = "", structure: bool = True, default: bool = False) -> None:
+
+@dataclasses.dataclass
+class _ModelChecks:
+    """`build_plan` in collecting mode and the structural rules, on each model lint builds, and what they hold
+    back for the end (`finish`).
+
+    The default config is cut to 2 blocks, which may lack a kind of block that comes later (DeepSeek's MoE layers
+    from first_k_dense_replace = 3 on): an entry matching nothing there is reported only if it matches nothing in
+    the verify configs' models either (those run whole, as `tpmap verify` runs them)."""
+    loaded: MappingFile
+    report: _Report
+    # place -> the default config's pattern-no-match error there, held back
+    unmatched_in_default: dict[tuple, TpmapError] = dataclasses.field(default_factory=dict)
+    # the same entries unmatched in a verify config, with its label
+    unmatched_later: list[tuple[TpmapError, str]] = dataclasses.field(default_factory=list)
+    # places of the entries whose pattern matches in a verify config's model
+    entry_hit: set[tuple] = dataclasses.field(default_factory=set)
+    # places of the replicated patterns that matched
+    replicated_hit: set[tuple] = dataclasses.field(default_factory=set)
+    # (class name, module names, base prefix) of each model checked for structure
+    models: list[tuple[str, list[str], str]] = dataclasses.field(default_factory=list)
+    # the mapping as the last model checked expanded it (compose)
+    expanded: MappingFile | None = None
+
+    def build(self, cls, config, v: int | None):
+        """`cls` on the meta device from `config` (verify spec `v`'s, or the default config's), or None."""
+        try:
+            return build_meta(cls, config)
+        except Exception as e:  # any failure of a transformers constructor: reported, never swallowed
+            src = self.loaded.source
+            which = "the default config" if v is None else f"the verify config {self.loaded.mapping.verify[v].name!r}"
+            pos = src.value(("model_type",)) if v is None else src.value(("verify", v, "config"))
+            self.report.add(Diagnostic.at(pos, "model-build", f"building {cls.__name__} from {which} failed: "
+                                                              f"{type(e).__name__}: {e}"))
+            return None
+
+    def check(self, model, tp_size: int, label: str = "", structure: bool = True, default: bool = False) -> None:
+        """The plan's errors at `tp_size`, and with `structure` the lint-only rules, each under `label`;
+        `default`: the model of the default config (its unmatched patterns wait for the verify configs')."""
+        expanded = self._plan(model, tp_size, label, structure, default)
+        if structure:
+            self._structure(model, expanded, label, default)
+
+    def _plan(self, model, tp_size: int, label: str, structure: bool, default: bool) -> MappingFile:
         errors: list[TpmapError] = []
-        expanded = planner.composed(model, loaded, errors)  # the same expansion build_plan makes
-        last["expanded"] = expanded
+        expanded = planner.composed(model, self.loaded, errors)  # the same expansion build_plan makes
+        self.expanded = expanded
         planner.build_plan(model, expanded, tp_size, errors)
-        if structure and expanded is not loaded:  # composed entries read their sub-configs
+        if structure and expanded is not self.loaded:  # composed entries read their sub-configs
             errors += planner.check_expressions(model.config, expanded)
         for e in errors:
             key = _place(e.position) if e.rule == "pattern-no-match" else None
             if default and key:
-                unmatched_in_default.setdefault(key, e)
-            elif key in unmatched_in_default:
-                unmatched_later.append((e, label))
-        report.add_errors((e for e in errors if e.rule != "pattern-no-match"
-                           or _place(e.position) not in unmatched_in_default), label)
-        if not structure:
-            return
+                self.unmatched_in_default.setdefault(key, e)
+            elif key in self.unmatched_in_default:
+                self.unmatched_later.append((e, label))
+        self.report.add_errors((e for e in errors if e.rule != "pattern-no-match"
+                                or _place(e.position) not in self.unmatched_in_default), label)
+        return expanded
+
+    def _structure(self, model, expanded: MappingFile, label: str, default: bool) -> None:
         base, prefix = planner.base_prefix(model)
         modules = dict(base.named_modules())
         names = [n for n in modules if n]
         blocks = block_prefixes(base)
         m = _Matches(expanded, modules)
-        replicated_hit.update(_place(expanded.source.value(("replicated", k))) for k, ns in enumerate(m.replicated)
-                              if ns)
+        self.replicated_hit.update(_place(expanded.source.value(("replicated", k)))
+                                   for k, ns in enumerate(m.replicated) if ns)
         if not default:
-            entry_hit.update(_place(expanded.source.value(("entries", i, "module"))) for i, ns in enumerate(m.entries)
-                             if ns)
-        models.append((type(model).__name__, names, prefix))
+            self.entry_hit.update(_place(expanded.source.value(("entries", i, "module")))
+                                  for i, ns in enumerate(m.entries) if ns)
+        self.models.append((type(model).__name__, names, prefix))
         uncovered = coverage(expanded, modules, blocks, m)
-        failed = _failed_compose(loaded, expanded)  # reported already: their blocks are not uncovered too
+        failed = _failed_compose(self.loaded, expanded)  # reported already: their blocks are not uncovered too
         uncovered = [d for d in uncovered if not any(f" {f}" in d.message for f in failed)]
-        found = replicated_clashes(expanded, m) + uncovered + pairing(expanded, modules, blocks, m)
-        for d in found:
-            report.add(d, label)
+        for d in replicated_clashes(expanded, m) + uncovered + pairing(expanded, modules, blocks, m):
+            self.report.add(d, label)
 
-    def built(cls, config, v: int | None):
-        try:
-            return build_meta(cls, config)
-        except Exception as e:  # any failure of a transformers constructor: reported, never swallowed
-            which = "the default config" if v is None else f"the verify config {mapping.verify[v].name!r}"
-            pos = src.value(("model_type",)) if v is None else src.value(("verify", v, "config"))
-            report.add(Diagnostic.at(pos, "model-build", f"building {cls.__name__} from {which} failed: "
-                                                         f"{type(e).__name__}: {e}"))
-            return None
+    def finish(self) -> None:
+        """What was held back: unmatched patterns, replicated patterns no model matched."""
+        self.report.add_errors(e for key, e in self.unmatched_in_default.items() if key not in self.entry_hit)
+        for e, label in self.unmatched_later:  # only where the default config's error was dropped: a new place
+            self.report.add_errors([e], label)
+        if self.models:
+            for d in replicated_unmatched(self.expanded, self.replicated_hit, self.models[0][1],
+                                          list(dict.fromkeys(n for n, _, _ in self.models)), self.models[0][2]):
+                self.report.add(d)
 
-    # the default config: structure with every class, then each declared world size
+
+def _check_default_config(checks: _ModelChecks, default, section: _VerifySection) -> None:
+    """The default config: structure with every class, then the first class at each declared world size."""
     first = None
-    for cls in dict.fromkeys(c for found in classes for c in found):
-        model = built(cls, default, None)
+    for cls in dict.fromkeys(c for found in section.classes for c in found):
+        model = checks.build(cls, default, None)
         if model is None:
             continue
-        check(model, 1, default=True)
+        checks.check(model, 1, default=True)
         first = first or model
     if first is not None:
-        for ws in mapping.world_sizes:
-            if ws != 1:
-                check(first, ws, f"world size {ws}: ", structure=False, default=True)
+        for tp_size in checks.loaded.mapping.world_sizes:
+            if tp_size != 1:
+                checks.check(first, tp_size, f"world size {tp_size}: ", structure=False, default=True)
 
-    # the embedded tiny configs, as `tpmap verify` will run them
-    for v, (spec, found) in enumerate(zip(mapping.verify, classes)):
+
+def _check_verify_configs(checks: _ModelChecks, section: _VerifySection) -> list[tuple[str, object]]:
+    """The embedded tiny configs, as `tpmap verify` will run them: each with its first class, at world size 1
+    and at its own world sizes. Returns the (label, config) of each config checked."""
+    loaded, report = checks.loaded, checks.report
+    configs = []
+    for v, (spec, found) in enumerate(zip(loaded.mapping.verify, section.classes)):
         if not found:
             continue
-        config = verify_configs[v]
+        config = section.configs[v]
         if isinstance(config, Exception):  # a config __init__ rejecting values: reported at the config
-            report.add(Diagnostic.at(src.value(("verify", v, "config")), "model-build",
+            report.add(Diagnostic.at(loaded.source.value(("verify", v, "config")), "model-build",
                                      f"the verify config {spec.name!r} is rejected: {type(config).__name__}: {config}"))
             continue
         configs.append((f"verify {spec.name!r}", config))
         report.add_errors(planner.check_expressions(config, loaded), f"verify {spec.name!r}: ")
-        model = built(found[0], config, v)
+        model = checks.build(found[0], config, v)
         if model is None:
             continue
-        check(model, 1, f"verify {spec.name!r}: ")
-        for ws in spec.world_sizes:
-            if ws != 1:
-                check(model, ws, f"verify {spec.name!r}, world size {ws}: ", structure=False)
-    for d in when_never(loaded, configs) + layer_never(loaded, configs):
-        report.add(d)
-    report.add_errors(e for key, e in unmatched_in_default.items() if key not in entry_hit)
-    for e, label in unmatched_later:  # only where the default config's error was dropped: a new place
-        report.add_errors([e], label)
-    if models:
-        for d in replicated_unmatched(last["expanded"], replicated_hit, models[0][1],
-                                      list(dict.fromkeys(n for n, _, _ in models)), models[0][2]):
-            report.add(d)
-    return report.items
+        checks.check(model, 1, f"verify {spec.name!r}: ")
+        for tp_size in spec.world_sizes:
+            if tp_size != 1:
+                checks.check(model, tp_size, f"verify {spec.name!r}, world size {tp_size}: ", structure=False)
+    return configs
 
 
 def when_attributes(loaded: MappingFile, default, valid_keys: set[str]) -> list[Diagnostic]:

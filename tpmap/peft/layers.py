@@ -245,7 +245,7 @@ class ParallelLoraEmbedding(peft.tuners.lora.Embedding):
     are too. A looks up ids in the full vocabulary (the full padding_idx, not the shard's local one), and a
     merge adds this rank's rows of the full delta (padded like the weight) to the local weight."""
 
-    def get_delta_weight(self, adapter) -> torch.Tensor:  # (V_pad/ws, H): this rank's rows
+    def get_delta_weight(self, adapter) -> torch.Tensor:  # (V_pad/tp_size, H): this rank's rows
         base = self.get_base_layer()
         full = super().get_delta_weight(adapter)  # (V, H)
         return take(full, base.__dict__[SHARD_ATTR], dist.get_rank(base.tp_group))

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from tpmap.api import group_of, process_group
+from tpmap.api import group_of
+from tpmap.prepare import process_group
 from tpmap.training.errors import TrainingCheckpointError
 from tpmap.training.layout import base_model, plan_of
 
