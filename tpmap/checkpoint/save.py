@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpmap.api import PLAN_ATTR, group_of
+from tpmap.api import group_of
+from tpmap.execute import PLAN_ATTR
 from tpmap.checkpoint.safetensors import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,

@@ -26,7 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("tpmap.peft needs PEFT: pip install 'tpmap[peft]'") from e
 
-from tpmap.api import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
+from tpmap.execute import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.checkpoint.save import delegate_saving
 from tpmap.engine.layers import (
     TP_MODULES,

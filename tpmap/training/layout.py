@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpmap.api import PLAN_ATTR
+from tpmap.execute import PLAN_ATTR
 from tpmap.engine.plan import ParamLayout
 from tpmap.training.errors import TrainingCheckpointError
 
