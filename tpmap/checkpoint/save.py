@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tpmap.api import group_of
-from tpmap.execute import PLAN_ATTR
 from tpmap.checkpoint.safetensors import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -29,6 +28,7 @@ from tpmap.checkpoint.safetensors import (
     with_variant,
 )
 from tpmap.engine.shard import full_tensor
+from tpmap.execute import PLAN_ATTR
 
 _TAKES = ("max_shard_size", "variant", "save_original_format", "is_main_process")
 # (predicate, save) pairs from optional integrations: tpmap.peft saves a PeftModel as an adapter folder

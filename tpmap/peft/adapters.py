@@ -26,7 +26,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError("tpmap.peft needs PEFT: pip install 'tpmap[peft]'") from e
 
-from tpmap.execute import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.checkpoint.save import delegate_saving
 from tpmap.engine.layers import (
     TP_MODULES,
@@ -37,6 +36,7 @@ from tpmap.engine.layers import (
 )
 from tpmap.engine.plan import ParamLayout
 from tpmap.engine.shard import full_tensor
+from tpmap.execute import GROUP_ATTR, PLAN_ATTR, SEQUENCE_ATTR
 from tpmap.peft.layers import (
     OWNER_GROUP_ATTR,
     PARAM_SHARDS_ATTR,

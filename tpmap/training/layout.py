@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tpmap.execute import PLAN_ATTR
 from tpmap.engine.plan import ParamLayout
+from tpmap.execute import PLAN_ATTR
 from tpmap.training.errors import TrainingCheckpointError
 
 
