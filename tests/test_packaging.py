@@ -15,6 +15,10 @@ def test_wheel_contents(tmp_path):
     wheel = next(tmp_path.glob("tpmap-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "tpmap/__init__.py" in names and "tpmap/engine/plan.py" in names
+    # every module of the source tree ships (pyproject lists packages one by one: a new subpackage is easy to miss)
+    sources = {f"tpmap/{p.relative_to(ROOT / 'tpmap')}" for p in (ROOT / "tpmap").rglob("*.py")}
+    sources |= {f"tpmap/engine/{p.relative_to(ROOT / 'engine')}" for p in (ROOT / "engine").rglob("*.py")}
+    assert sources - names == set(), "add these packages to pyproject.toml's [tool.setuptools] packages"
     assert not any(n.startswith("engine/") for n in names)
     shipped = {p.name for p in (ROOT / "mappings").glob("*.yaml")}
     assert shipped and {f"tpmap/mappings/{n}" for n in shipped} <= names
