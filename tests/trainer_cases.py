@@ -104,3 +104,30 @@ def tp_run(output_dir: str, dp: int, overrides: dict, resume: bool = False, save
     if save_final:
         trainer.save_model(os.path.join(output_dir, "final"))
     return out
+
+
+def setup_errors(output_dir: str) -> dict:
+    """What TensorParallelTrainer refuses, on 2 ranks at tp 2: its error type and message per case."""
+    from tpmap.training.trainer import TensorParallelTrainer
+
+    model = tpmap.apply(tiny_llama(), 2)
+    train, evaluation = datasets(model.config.vocab_size)
+    cases = {
+        "average_tokens": (dict(average_tokens_across_devices=False), None),
+        "best_model": (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), None),
+        "dp_group_size": ({}, dist.group.WORLD),  # tp 2 of 2 ranks: the dp group has 1 rank, not 2
+    }
+    out = {}
+    for name, (overrides, dp_group) in cases.items():
+        try:
+            TensorParallelTrainer(model=model, args=training_args(output_dir, 4, **overrides), train_dataset=train,
+                                  eval_dataset=evaluation, dp_group=dp_group)
+        except tpmap.TpmapError as e:
+            out[name] = (type(e).__name__, str(e))
+    trainer = TensorParallelTrainer(model=model, args=training_args(output_dir, 4), train_dataset=train)
+    os.makedirs(os.path.join(output_dir, "not-a-checkpoint"), exist_ok=True)
+    try:
+        trainer.train(resume_from_checkpoint=os.path.join(output_dir, "not-a-checkpoint"))
+    except tpmap.TpmapError as e:
+        out["resume"] = (type(e).__name__, str(e))
+    return out

@@ -70,7 +70,9 @@ class TrainerSetupError(TpmapError):
 def _norm_weights(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, float | tuple[int, torch.Tensor]]:
     """Per parameter name: the weight of each local gradient element's square in the unsharded squared norm,
     a number, or (dim, weights along dim) for a split parameter."""
-    plan = getattr(model, PLAN_ATTR)
+    plan = getattr(model, PLAN_ATTR, None)
+    if plan is None:
+        return {name: 1.0 for name, _ in model.named_parameters()}
     layouts = {name: layout for layout in plan.params.values() for name in (layout.name, *layout.aliases)}
     module_lists = [t for t in plan.tensors if t.holder == "modules"]  # a ModuleList cut by Param: whole items
 
@@ -97,7 +99,7 @@ def _norm_weights(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, flo
     return out
 
 
-def unsharded_grad_norm(model: nn.Module, weights: dict, group) -> torch.Tensor:
+def unsharded_grad_norm(model: nn.Module, weights: dict, group, tp_size: int) -> torch.Tensor:
     """The 2-norm of the unsharded model's gradient, on every rank of the tp `group`, from this rank's shards
     (`weights` from `_norm_weights`): sqrt(all_reduce(sum_p sum_i w_p(i) g_p(i)^2)), fp32."""
     total = None
@@ -115,29 +117,30 @@ def unsharded_grad_norm(model: nn.Module, weights: dict, group) -> torch.Tensor:
         total = term if total is None else total + term
     device = next(model.parameters()).device
     total = torch.zeros((), device=device) if total is None else total
-    if dist.is_initialized():
+    if tp_size > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 class TensorParallelMixin:
-    """Put before a `transformers.Trainer` subclass: ``class T(TensorParallelMixin, Trainer)``. The model must
-    be a tpmap model (`tpmap.apply` / `tpmap.from_pretrained`); `dp_group` (a ProcessGroup or a 1-D DeviceMesh,
-    ``mesh["dp"]``) is needed when the tp group is smaller than the world."""
+    """Put before a `transformers.Trainer` subclass: ``class T(TensorParallelMixin, Trainer)``. The model: a
+    tpmap model (`tpmap.apply` / `tpmap.from_pretrained`; at tp 1 a whole model, trained data parallel over every
+    rank or `dp_group`). `dp_group` (a ProcessGroup or a 1-D DeviceMesh, ``mesh["dp"]``) is needed when the tp
+    group is smaller than the world and larger than 1."""
 
     def __init__(self, *args, dp_group=None, **kwargs):
         super().__init__(*args, **kwargs)
-        if getattr(self.model, PLAN_ATTR, None) is None:
-            raise TrainerSetupError("TensorParallelTrainer needs a tpmap model: pass model=tpmap.apply(model, ...) or "
-                                    "tpmap.from_pretrained(...)")
         self._check_args()
-        self.tp_group = group_of(self.model)  # None: the default group
+        sharded = getattr(self.model, PLAN_ATTR, None) is not None  # tpmap.apply at tp 1 returns the model as it was
         initialized = dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
-        self.tp_size = dist.get_world_size(self.tp_group) if initialized else 1
-        self.tp_rank = dist.get_rank(self.tp_group) if initialized else 0
-        self.dp_group = dp_group.get_group() if isinstance(dp_group, DeviceMesh) else dp_group
+        self.tp_group = group_of(self.model)  # None: the default group
+        self.tp_size = dist.get_world_size(self.tp_group) if initialized and sharded else 1
+        self.tp_rank = dist.get_rank(self.tp_group) if initialized and sharded else 0
         self.dp_size = world // self.tp_size
+        if dp_group is None and self.tp_size == 1 and world > 1:
+            dp_group = dist.group.WORLD  # a whole model on every rank: plain data parallelism
+        self.dp_group = dp_group.get_group() if isinstance(dp_group, DeviceMesh) else dp_group
         if self.dp_size > 1 and self.dp_group is None:
             raise TrainerSetupError(
                 f"the model is tensor-parallel over {self.tp_size} of {world} ranks: pass dp_group= the data-parallel "
@@ -200,7 +203,7 @@ class TensorParallelMixin:
     # ---- the unsharded gradient's norm
     def _unsharded_norm(self) -> torch.Tensor:
         self.accelerator.unscale_gradients()  # a no-op without a GradScaler
-        return unsharded_grad_norm(self.model, self._norm_weights, self.tp_group)
+        return unsharded_grad_norm(self.model, self._norm_weights, self.tp_group, self.tp_size)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         norm = self._unsharded_norm()
@@ -231,7 +234,7 @@ class TensorParallelMixin:
     def _gather_over_replicas(self, data, use_gather_object: bool = False):
         """accelerate's gather_for_metrics over the dp group: each replica once, the last batch's padding dropped."""
         if self.dp_size > 1:
-            if use_gather_object or not torch.is_tensor(data) and not isinstance(data, (list, tuple, dict)):
+            if use_gather_object or not _all_tensors(data):
                 parts = [None] * self.dp_size
                 dist.all_gather_object(parts, data, group=self.dp_group)
                 data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
@@ -283,6 +286,15 @@ class TensorParallelMixin:
 
 class TensorParallelTrainer(TensorParallelMixin, Trainer):
     """`transformers.Trainer` for a tpmap model (see the module docstring)."""
+
+
+def _all_tensors(data) -> bool:
+    """Whether `data` is tensors in lists, tuples and dicts only (accelerate's test for gather vs gather_object)."""
+    try:
+        recursively_apply(lambda x: x, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 def _inner(optimizer):
