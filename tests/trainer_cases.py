@@ -131,3 +131,31 @@ def setup_errors(output_dir: str) -> dict:
     except tpmap.TpmapError as e:
         out["resume"] = (type(e).__name__, str(e))
     return out
+
+
+def trl_sft_refused(output_dir: str) -> tuple[str, str]:
+    """TRL's SFTTrainer with the mixin on a tp 2 model: refused (its fused LM head reads lm_head.weight, a vocabulary
+    shard here). Needs trl and datasets (optional)."""
+    import datasets as hf_datasets
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from tpmap.training.trainer import TensorParallelMixin
+
+    class TensorParallelSFTTrainer(TensorParallelMixin, SFTTrainer):
+        pass
+
+    model = tpmap.apply(tiny_llama(), 2)
+    vocab = model.config.vocab_size
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+    train, _ = datasets(vocab)
+    data = hf_datasets.Dataset.from_dict({"input_ids": [row.tolist() for row in train.ids]})
+    args = SFTConfig(output_dir=output_dir, max_steps=1, report_to="none", use_cpu=True, disable_tqdm=True)
+    try:
+        TensorParallelSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    except tpmap.TpmapError as e:
+        return type(e).__name__, str(e)
+    return "", ""

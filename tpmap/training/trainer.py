@@ -34,7 +34,8 @@ Saving: `save_model` writes the standard transformers checkpoint through `tpmap.
 tp group gathers, its rank 0 writes). Checkpoints (`save_steps`) add the whole training state -- model shards,
 optimizer, scheduler -- through `tpmap.training.checkpoint` into ``checkpoint-N/tpmap_training/``; Trainer's
 own files (trainer_state.json, per-rank RNG states) stay Trainer's, and ``resume_from_checkpoint`` reads them
-back the same way. Refused with `TrainerSetupError`: fp16 (GradScaler's per-rank inf check would let tp ranks
+back the same way. Refused with `TrainerSetupError`: TRL's fused LM head (SFTTrainer's loss: a log-softmax over
+``lm_head.weight``, which is a vocabulary shard here), fp16 (GradScaler's per-rank inf check would let tp ranks
 skip different steps; use bf16), FSDP and DeepSpeed (use `dp_group` and DDP), `load_best_model_at_end`,
 `push_to_hub`, ``average_tokens_across_devices=False`` and iterable datasets (unsharded over replicas here).
 """
@@ -131,6 +132,7 @@ class TensorParallelMixin:
     def __init__(self, *args, dp_group=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._check_args()
+        self._check_loss_path()
         sharded = getattr(self.model, PLAN_ATTR, None) is not None  # tpmap.apply at tp 1 returns the model as it was
         initialized = dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
@@ -168,6 +170,20 @@ class TensorParallelMixin:
             if bad:
                 raise TrainerSetupError(f"TensorParallelTrainer: TrainingArguments {name}={getattr(args, name)!r} "
                                         f"is refused: {why}")
+
+    def _check_loss_path(self) -> None:
+        """TRL's fused LM head (SFTTrainer, GRPO, ...: `trl.trainer.utils.add_fused_lm_head`) replaces the model's
+        forward by one that runs the backbone and a log-softmax over ``get_output_embeddings().weight`` in its own
+        kernel. Behind a vocabulary-parallel LM head that weight is this rank's vocabulary shard, so the softmax
+        would normalize over V / tp entries: a wrong loss, silently."""
+        code = getattr(getattr(self.model.forward, "__func__", None), "__code__", None)
+        plan = getattr(self.model, PLAN_ATTR, None)
+        if code is not None and code.co_name == "_fused_forward" and plan is not None and any(
+                m.style == "vocab_head" for m in plan.modules):
+            raise TrainerSetupError(
+                "this Trainer computes the loss with TRL's fused LM head, a log-softmax over lm_head.weight, which "
+                "tpmap splits over the vocabulary (each rank holds V / tp rows): the loss would be wrong. Use "
+                "TensorParallelTrainer (transformers' loss on the model's own forward)")
 
     # ---- the tp size Trainer's loss scale and batch counts use
     def get_tp_size(self) -> int:
