@@ -126,3 +126,19 @@ def test_trl_sft_trainer_is_refused_with_the_reason(ranks, tmp_path):
     pytest.importorskip("trl")
     for kind, message in ranks(2).run(trainer_cases.trl_sft_refused, str(tmp_path)):
         assert kind == "TrainerSetupError" and "fused LM head" in message
+
+
+@pytest.mark.full  # torchrun jobs
+@pytest.mark.skipif(importlib.util.find_spec("tpmap.training.checkpoint") is None,
+                    reason="tpmap.training.checkpoint is not on this branch yet")
+def test_trainer_example_resumes_where_it_stopped(tmp_path):
+    """--save-steps 3 of 6 writes checkpoint-3 and checkpoint-6; with checkpoint-6 gone, --resume continues from
+    checkpoint-3 and prints the steps 4-6 the uninterrupted run printed."""
+    import shutil
+
+    out = str(tmp_path / "out")
+    whole = _torchrun(2, "--tp", "2", "--steps", "6", "--save-steps", "3", "--output", out)
+    shutil.rmtree(tmp_path / "out" / "checkpoint-6")
+    resumed = _torchrun(2, "--tp", "2", "--steps", "6", "--save-steps", "3", "--output", out, "--resume")
+    assert len(whole) == 6 and len(resumed) == 3
+    assert resumed == pytest.approx(whole[3:], rel=1e-6)
