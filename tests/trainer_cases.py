@@ -5,8 +5,8 @@
 The model: the llama mapping's tiny config (12 query heads, 2 KV heads, vocabulary 256, 2 layers), every weight
 redrawn with std 0.15, fp32, no dropout. The data: 24 training and 9 evaluation sequences of 12 random ids, fixed
 (no padding: every sequence counts the same tokens). A run: 6 optimizer steps of a global batch of 8 sequences
-(per-device batch 8 / dp / grad_accum) with gradient accumulation 2, Trainer's defaults otherwise (AdamW or SGD,
-linear decay, max_grad_norm 1.0), logging every step; then an evaluation (per-device batch 1).
+(per-device batch 8 / dp / grad_accum) with gradient accumulation 2, Trainer's defaults otherwise (AdamW, linear
+decay, max_grad_norm 1.0), logging every step; then an evaluation (per-device batch 1).
 """
 from __future__ import annotations
 
