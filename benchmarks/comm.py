@@ -41,10 +41,9 @@ def _nodes_reachable(start, stop: set, limit: int = 200000) -> set:
     return seen
 
 
-def megatron_minimum(full, plan, inputs: dict) -> dict:
-    """The minimum collectives of one forward and backward of `full` (unsharded) split as `plan` says."""
-    import torch
-
+def _roles(full, plan):
+    """The module names each kind of collective attaches to: (blocks, names by style, partial sums, gathers,
+    copies)."""
     from tpmap.engine.blocks import block_prefixes
 
     prefix = plan.base_prefix
@@ -57,6 +56,14 @@ def megatron_minimum(full, plan, inputs: dict) -> dict:
     gathers = {m.name for m in plan.modules if m.style == "column" and m.gather_output} | by_style.get("vocab_head",
                                                                                                       set())
     copies = {m.name for m in plan.modules if m.style in ("column", "vocab_head") and m.copy_input}
+    return blocks, by_style, partial_sums, gathers, copies
+
+
+def megatron_minimum(full, plan, inputs: dict) -> dict:
+    """The minimum collectives of one forward and backward of `full` (unsharded) split as `plan` says."""
+    import torch
+
+    blocks, by_style, partial_sums, gathers, copies = _roles(full, plan)
     counts = {"fwd_ar": 0, "fwd_ag": 0, "bwd_ar": 0}
     stack: list[list] = []  # per active block call: [(output node, level)]
     column_inputs: set = set()

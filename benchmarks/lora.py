@@ -47,14 +47,46 @@ def persistent_bytes(model, optimizer) -> dict:
             "total": params + grads + state}
 
 
-def main() -> None:
+def _arguments():
+    """The command line (--quick for a smoke run)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="a tiny model: a smoke run")
     parser.add_argument("--md", default=None, help="also write the table (with date and machine) to this file")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _report(args, variants, rows, memory, same_losses, warmup, ws) -> None:
+    """Rank 0's table: step times and memory per variant, and the largest loss difference."""
+    unsharded_s = rows["unsharded PEFT"]["median"]
+    mib = 2**20
+    size = sum(p.numel() for p in variants["unsharded PEFT"].parameters()) / 1e6
+    lines = [f"LoRA training step, Llama-shaped {size:.0f}M"
+             f"{' (quick)' if args.quick else ''}, fp32, r {args.r} on {'/'.join(TARGETS)}, batch (4, 128), "
+             f"AdamW; {ws} ranks x {args.threads} thread(s), gloo; {datetime.date.today()}, "
+             f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+             "",
+             "| variant | step s (median) | p10-p90 | vs unsharded | params MiB/rank | adapters MiB | "
+             "grads MiB | AdamW MiB | total MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in rows.items():
+        m = memory[key]
+        lines.append(f"| {key} | {r['median']:.3f} | {r['p10']:.3f}-{r['p90']:.3f} | "
+                     f"{r['median'] / unsharded_s:.2f}x | {m['params'] / mib:.1f} | {m['adapters'] / mib:.2f} | "
+                     f"{m['grads'] / mib:.2f} | {m['optimizer'] / mib:.2f} | {m['total'] / mib:.1f} |")
+    lines += ["", f"largest difference of the two variants' losses over the {warmup + args.runs} steps: "
+                  f"{same_losses:.2e} (the same adapters, the same batch)"]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+
+
+def main() -> None:
+    args = _arguments()
 
     import transformers
     from peft import LoraConfig
@@ -110,29 +142,7 @@ def main() -> None:
     same_losses = max(abs(a - b) for a, b in zip(*losses.values(), strict=True))  # every step, both variants
 
     if rank == 0:
-        unsharded_s = rows["unsharded PEFT"]["median"]
-        mib = 2**20
-        size = sum(p.numel() for p in variants["unsharded PEFT"].parameters()) / 1e6
-        lines = [f"LoRA training step, Llama-shaped {size:.0f}M"
-                 f"{' (quick)' if args.quick else ''}, fp32, r {args.r} on {'/'.join(TARGETS)}, batch (4, 128), "
-                 f"AdamW; {ws} ranks x {args.threads} thread(s), gloo; {datetime.date.today()}, "
-                 f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-                 "",
-                 "| variant | step s (median) | p10-p90 | vs unsharded | params MiB/rank | adapters MiB | "
-                 "grads MiB | AdamW MiB | total MiB/rank |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for key, r in rows.items():
-            m = memory[key]
-            lines.append(f"| {key} | {r['median']:.3f} | {r['p10']:.3f}-{r['p90']:.3f} | "
-                         f"{r['median'] / unsharded_s:.2f}x | {m['params'] / mib:.1f} | {m['adapters'] / mib:.2f} | "
-                         f"{m['grads'] / mib:.2f} | {m['optimizer'] / mib:.2f} | {m['total'] / mib:.1f} |")
-        lines += ["", f"largest difference of the two variants' losses over the {warmup + args.runs} steps: "
-                      f"{same_losses:.2e} (the same adapters, the same batch)"]
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if args.md:
-            with open(args.md, "w") as f:
-                f.write(text + "\n")
+        _report(args, variants, rows, memory, same_losses, warmup, ws)
     dist.barrier()
     dist.destroy_process_group()
 

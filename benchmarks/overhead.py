@@ -65,13 +65,18 @@ def profile_once(fn) -> tuple[float, dict]:
     return wall, out
 
 
-def main() -> None:
+def _arguments():
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1x8")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--md", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     batch, seq = (int(v) for v in args.shape.split("x"))
 
     import torch

@@ -252,3 +252,31 @@ def test_the_file_map_names_every_module():
     page = (ROOT / "docs" / "architecture.md").read_text()
     missing = [_rel(m) for m in MODULES if f"`{_rel(m)}`" not in page]
     assert not missing, f"add these to docs/architecture.md's file map: {missing}"
+
+
+# Functions no longer than this, outside tests: a longer one is split into named steps, or listed here with why.
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS: dict[str, str] = {}  # "path:function" -> why it stays long
+
+
+def long_functions(root: Path = ROOT, folders=("tpmap", "engine", "benchmarks", "examples")) -> list[str]:
+    out = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    key = f"{path.relative_to(root)}:{node.name}"
+                    if lines > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS:
+                        out.append(f"{key} ({lines} lines)")
+    return out
+
+
+def test_no_function_over_80_lines():
+    assert not long_functions(), "split into named steps (or list in LONG_FUNCTIONS with why)"
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    (tmp_path / "tpmap").mkdir()
+    (tmp_path / "tpmap" / "x.py").write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    return 1\n")
+    assert long_functions(tmp_path, ("tpmap",)) == ["tpmap/x.py:f (81 lines)"]
