@@ -13,8 +13,10 @@ checked in fp64.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,3 +195,87 @@ def cases_pause_env() -> str:
     from tpmap.training.save import PAUSE_ENV
 
     return PAUSE_ENV
+
+
+# -- the commit sequence, stopped after each filesystem step ---------------------------------------------------
+class _Killed(BaseException):  # not an Exception: nothing in the code under test may catch it
+    pass
+
+
+_MUTATIONS = ("mkdir", "rename", "replace", "unlink", "rmdir")  # what changes a folder (rmtree: unlink, rmdir)
+
+
+def _one_rank_save(root: Path, step: int, ident: str):
+    """A one-rank save's temporary folder, written as save's ranks write it: (tmp, manifest, reported)."""
+    from tpmap.training import files
+
+    tmp = root / f"{files.TMP_PREFIX}{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed save's, as save() does
+    tmp.mkdir(parents=True)
+    (tmp / files.tensor_file(0, 1)).write_bytes(os.urandom(4096))
+    (tmp / files.rng_file(0, 0)).write_text(json.dumps({"ident": ident}))
+    reported = {p.name: {"size": p.stat().st_size, "sha256": files.digest(p)} for p in tmp.iterdir()}
+    manifest = {"format": files.FORMAT, "version": files.VERSION, "step": step, "extra": {"ident": ident},
+                "tp_size": 1, "dp_size": 1}
+    return tmp, manifest, reported
+
+
+def _commit_killed_after(monkeypatch, root: Path, step: int, ident: str, kill_after: int | None) -> bool:
+    """Rank 0's commit of a one-rank save, stopped right after its `kill_after`-th filesystem change (as SIGKILL
+    would: nothing after it runs); True when it finished first."""
+    from tpmap.training.ranks import Shape
+    from tpmap.training.save import _commit
+
+    tmp, manifest, reported = _one_rank_save(root, step, ident)
+    done = [0]
+
+    def counting(real):
+        def counted(*args, **kwargs):
+            out = real(*args, **kwargs)
+            done[0] += 1
+            if done[0] == kill_after:
+                raise _Killed
+            return out
+        return counted
+
+    with monkeypatch.context() as patch:
+        for name in _MUTATIONS:
+            patch.setattr(os, name, counting(getattr(os, name)))
+        try:
+            _commit(root, tmp, step, manifest, reported, Shape(0, 1, 0, 1, 0, 1))
+        except _Killed:
+            return False
+    return True
+
+
+def _loadable(root: Path) -> str:
+    """What load reads from the parent folder, checked as load checks it (every file, sizes and sha256): the
+    ident of the complete save `latest` names."""
+    from tpmap.training import files
+
+    folder = files.resolve(root)
+    manifest = files.read_manifest(folder)
+    files.check_files(folder, manifest, sorted(manifest["files"]), hash_these=set(manifest["files"]))
+    return manifest["extra"]["ident"]
+
+
+@pytest.mark.parametrize("before", [[2], [2, 4]], ids=["new-step", "same-step-again"])
+def test_a_commit_stopped_after_any_filesystem_step_leaves_a_complete_checkpoint(monkeypatch, tmp_path, before):
+    """Saves of `before` complete, then a save of step 4 stopped after its 1st, 2nd, ... filesystem change: the
+    parent folder loads, as the previous save or the new one, never a missing or partial folder; the next save
+    of step 4 (not stopped) is then the one `latest` names and leaves no other folder of step 4 behind."""
+    stops = 0
+    for kill_after in range(1, 100):
+        root = tmp_path / f"k{kill_after}"
+        for i, step in enumerate(before):
+            assert _commit_killed_after(monkeypatch, root, step, f"before-{i}", None)
+        finished = _commit_killed_after(monkeypatch, root, 4, "new", kill_after)
+        assert _loadable(root) in ({f"before-{len(before) - 1}", "new"} if not finished else {"new"}), kill_after
+        assert _commit_killed_after(monkeypatch, root, 4, "next", None)
+        assert _loadable(root) == "next"
+        assert [p.name for p in root.iterdir() if p.name.startswith((".", "step-00000004"))] == \
+            [(root / "latest").read_text().strip()], sorted(p.name for p in root.iterdir())
+        if finished:
+            break
+        stops += 1
+    assert stops >= 3, stops  # the manifest, the rename, `latest`: each a step a kill can follow
