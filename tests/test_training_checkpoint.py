@@ -67,6 +67,11 @@ def test_same_shape_resume_is_bit_for_bit_lora(ranks, tmp_path):
     _same_shape(ranks, tmp_path, {**LLAMA, "lora": True, "dropout": 0.1, "stop": 4, "save_at": 2})
 
 
+def test_same_shape_resume_is_bit_for_bit_with_whole_row_biases(ranks, tmp_path):
+    """GPT-2: a Row's bias is whole on every rank (a plan layout without a split dim), tied embedding and head."""
+    _same_shape(ranks, tmp_path, {"model_type": "gpt2", "class_name": "GPT2LMHeadModel", "stop": 4, "save_at": 2})
+
+
 def test_sgd_momentum_resume_is_bit_for_bit(ranks, tmp_path):
     _same_shape(ranks, tmp_path, {**LLAMA, "optimizer": "sgd", "stop": 4, "save_at": 2})
 
@@ -102,13 +107,71 @@ def test_bad_input_raises_on_every_rank_and_changes_nothing(ranks, tmp_path):
              "param_groups": "1 parameter groups, the one given 2",
              "no_optimizer": "no optimizer was given", "other_model": "this model is gpt2",
              "other_config": "another llama model", "mapping_changed": "the mapping changed since the save",
-             "dp_group_wrong": "pass dp_group="}
+             "dp_group_wrong": "pass dp_group=",
+             "other_scheduler": "the scheduler given is a torch.optim.lr_scheduler.StepLR",
+             "other_shape": "[192, 96] in the checkpoint and [256, 96] in the model (full shapes)"}
     for r in results:
         assert set(r) == set(words), set(r) ^ set(words)
         for kind, result in r.items():
             assert result["error"] == "TrainingCheckpointError", (kind, result)
             assert words[kind] in result["message"], (kind, result["message"])
             assert result["untouched"], kind
+
+
+def test_a_change_in_a_composed_mapping_file_is_refused(ranks, tmp_path):
+    """Llava's mapping composes llama.yaml (here a copy beside it, named by `mapping:`): the same files in another
+    folder load; the composed file with one entry changed (o_proj's `heads` dropped: the same split at tp 2, so
+    only the mapping's identity tells) is refused, on every rank, with nothing changed."""
+    from helpers import edited, mapping_text, replaced, write_mapping
+
+    top = replaced(mapping_text("llava"), "config: text_config", "config: text_config\n    mapping: llama.yaml",
+                   once=True)
+    folders = {}
+    for name, llama in (("saved", mapping_text("llama")), ("same", mapping_text("llama")),
+                        ("changed", edited("llama", "module: layers.*.self_attn.o_proj\n    heads: num_attention_heads",
+                                           "module: layers.*.self_attn.o_proj", once=True))):
+        (tmp_path / name).mkdir()
+        write_mapping(tmp_path / name, "llama", llama)
+        folders[name] = str(write_mapping(tmp_path / name, "llava", top))
+    results = ranks(2).run(cases.compose_case, str(tmp_path / "ckpt"), folders["saved"], folders["same"],
+                           folders["changed"], timeout=300)
+    for r in results:
+        assert r["same"]["error"] is None, r["same"]
+        assert r["changed"]["error"] == "TrainingCheckpointError", r["changed"]
+        assert "the mapping changed since the save" in r["changed"]["message"] and r["changed"]["untouched"]
+
+
+# a real config.json (meta-llama/Llama-3.2-1B's keys, sizes made tiny), with keys LlamaConfig does not define
+REAL_CONFIG = {
+    "_name_or_path": "meta-llama/Llama-3.2-1B", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": [2, 3], "head_dim": 8, "hidden_act": "silu",
+    "hidden_size": 96, "initializer_range": 0.02, "intermediate_size": 192, "max_position_embeddings": 64,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 12, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 2.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 32, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 256,
+    "model_card_url": "https://example.org/card", "custom_training_notes": {"stage": 2, "tokens": [1, 2]},
+}
+
+
+def test_a_run_built_by_from_pretrained_resumes_into_one_built_the_same_way(ranks, tmp_path):
+    """No false refusal from the config comparison: a real config.json's keys (extra ones, rope_scaling,
+    torch_dtype, a list of EOS ids) survive from_pretrained, save and load."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    hf, weights = tmp_path / "hf", tmp_path / "weights"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(REAL_CONFIG, indent=2))
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    LlamaForCausalLM(AutoConfig.from_pretrained(hf)).save_pretrained(weights)
+    shutil.copy(weights / "model.safetensors", hf / "model.safetensors")  # the real config.json stays as written
+    results = ranks(2).run(cases.from_pretrained_case, str(hf), str(tmp_path / "ckpt"), timeout=300)
+    for r in results:
+        assert r["error"] is None, r["message"]
+        assert r["equal"]
 
 
 def test_check_resume_refuses_a_shape_the_mapping_cannot_serve(ranks, tmp_path):
