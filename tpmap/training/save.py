@@ -25,6 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from tpmap.checkpoint.safetensors import SafetensorsWriter
+from tpmap.engine.planner import composed
 from tpmap.language.source import read_file
 from tpmap.training import files, rng_state
 from tpmap.training.errors import TrainingCheckpointError
@@ -115,7 +116,10 @@ def _prepare(model, optimizer, scheduler, step, data_state, extra, shape: Shape)
 
 def mapping_identity(model: nn.Module) -> dict | None:
     """The mapping the model was sharded by: its file and a sha256 of its parsed content (comments and layout of
-    the file do not count), or None for a model tpmap did not shard."""
+    the file do not count), or None for a model tpmap did not shard. A mapping that composes others
+    (``compose:``) is hashed with what it composes: the file's content and its entries expanded over the model
+    (every composed file's entries, replicated, grad_allreduce and unsupported items), so a change in a composed
+    file changes the identity too."""
     plan = plan_of(model)
     if plan is None:
         return None
@@ -123,8 +127,13 @@ def mapping_identity(model: nn.Module) -> dict | None:
     if not path.is_file():
         raise TrainingCheckpointError(f"the model was sharded by a mapping given as an object ({plan.source}); a "
                                       "training checkpoint records the mapping's identity: pass the mapping as a file")
-    content = json.dumps(read_file(path).data, sort_keys=True, default=str)
-    return {"source": str(path), "sha256": hashlib.sha256(content.encode()).hexdigest()}
+    loaded = read_file(path)
+    content = loaded.data
+    if loaded.mapping.compose:
+        expanded = composed(base_model(model), loaded).mapping.model_dump(mode="json")
+        content = {"file": loaded.data, "composed": expanded}
+    text = json.dumps(content, sort_keys=True, default=str)
+    return {"source": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def _generation_config(base) -> dict | None:
