@@ -24,7 +24,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-step-"
 OLD_PREFIX = ".old-"
-_CHUNK = 16 << 20
+_CHUNK = 4 << 20
 
 
 def step_name(step: int) -> str:
@@ -47,11 +47,14 @@ def rng_file(dp_rank: int, tp_rank: int) -> str:
 
 
 def digest(path: Path) -> str:
-    """sha256 of a file's bytes, read in chunks."""
+    """sha256 of a file's bytes, read in chunks into one buffer (a rank's extra memory while it hashes: _CHUNK;
+    ``f.read`` would hold two chunks, the next one read while the last is still referenced)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
 
 
