@@ -115,11 +115,22 @@ def run(spec: dict, folder: str, resume: bool) -> dict:
     optim = {(g, i, k): v.clone() if isinstance(v, torch.Tensor) else v
              for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
              for k, v in opt.state[p].items()}
-    gathered = None
-    if not spec.get("lora"):
-        gathered = tpmap.full_state_dict(model)
+    gathered = _adapters(model, folder, resume, dp_rank) if spec.get("lora") else tpmap.full_state_dict(model)
     return {"losses": losses, "local": local, "optim": optim, "lr": sched.get_last_lr(),
             "full": gathered if dist.get_rank() == 0 else None, "rank": dist.get_rank()}
+
+
+def _adapters(model, folder: str, resume: bool, dp_rank: int) -> dict | None:
+    """The full LoRA tensors, gathered by tpmap.peft.save_pretrained into a PEFT folder beside the checkpoint (the
+    base weights are frozen); read on rank 0, None elsewhere."""
+    from safetensors.torch import load_file
+
+    from tpmap import peft as tpmap_peft
+
+    out = Path(folder).parent / f"adapters-{'resumed' if resume else 'whole'}-{dist.get_world_size()}-dp{dp_rank}"
+    tpmap_peft.save_pretrained(model, out)
+    dist.barrier()
+    return load_file(out / "adapter_model.safetensors") if dist.get_rank() == 0 else None
 
 
 def same_shape_case(spec: dict, folder: str) -> dict:
