@@ -24,11 +24,14 @@ from tpmap import verify
 BATCH, SEQ = 4, 12
 
 
-def build(model_type: str, class_name: str, dtype: torch.dtype, seed: int, dropout: float) -> torch.nn.Module:
-    """The mapping's first tiny config, init std 0.2 from `seed`, training mode; dropout p on attention only."""
+def build(model_type: str, class_name: str, dtype: torch.dtype, seed: int, dropout: float,
+          overrides: dict | None = None) -> torch.nn.Module:
+    """The mapping's first tiny config (with `overrides`), init std 0.2 from `seed`, training mode; dropout p on
+    attention only."""
     from rank_cases import zero_dropout_
 
-    config = AutoConfig.for_model(model_type, **verify.resolve(model_type).mapping.verify[0].config)
+    config = AutoConfig.for_model(model_type, **{**verify.resolve(model_type).mapping.verify[0].config,
+                                                 **(overrides or {})})
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config)
     verify.large_init_(model, seed)
@@ -112,11 +115,22 @@ def run(spec: dict, folder: str, resume: bool) -> dict:
     optim = {(g, i, k): v.clone() if isinstance(v, torch.Tensor) else v
              for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
              for k, v in opt.state[p].items()}
-    gathered = None
-    if not spec.get("lora"):
-        gathered = tpmap.full_state_dict(model)
+    gathered = _adapters(model, folder, resume, dp_rank) if spec.get("lora") else tpmap.full_state_dict(model)
     return {"losses": losses, "local": local, "optim": optim, "lr": sched.get_last_lr(),
             "full": gathered if dist.get_rank() == 0 else None, "rank": dist.get_rank()}
+
+
+def _adapters(model, folder: str, resume: bool, dp_rank: int) -> dict | None:
+    """The full LoRA tensors, gathered by tpmap.peft.save_pretrained into a PEFT folder beside the checkpoint (the
+    base weights are frozen); read on rank 0, None elsewhere."""
+    from safetensors.torch import load_file
+
+    from tpmap import peft as tpmap_peft
+
+    out = Path(folder).parent / f"adapters-{'resumed' if resume else 'whole'}-{dist.get_world_size()}-dp{dp_rank}"
+    tpmap_peft.save_pretrained(model, out)
+    dist.barrier()
+    return load_file(out / "adapter_model.safetensors") if dist.get_rank() == 0 else None
 
 
 def same_shape_case(spec: dict, folder: str) -> dict:
@@ -216,7 +230,44 @@ def bad_input_case(folder: str, changed_mapping: str) -> dict:
     _, changed, opt2, *_ = _setup({**spec, "mapping": changed_mapping}, seed=1)
     out["mapping_changed"] = _try_load(folder, changed, opt2)
     out["dp_group_wrong"] = _try_load(folder, model, opt, dp_group=dist.group.WORLD)
+    out["other_scheduler"] = _try_load(folder, model, opt, torch.optim.lr_scheduler.StepLR(opt, 1))
+    wider = tpmap.apply(build("llama", "LlamaForCausalLM", torch.float32, 0, 0.0, {"intermediate_size": 256}),
+                        dist.get_world_size())  # the MLP's weights are [256, 96] and [96, 256], not 192
+    out["other_shape"] = _try_load(folder, wider, torch.optim.AdamW(wider.parameters()))
     return out
+
+
+def compose_case(folder: str, saved: str, same: str, changed: str) -> dict:
+    """Llava (a mapping composing a language model's and a vision tower's files) saved under mapping `saved`,
+    loaded into models sharded by `same` (the same content in another folder) and by `changed` (a composed
+    file edited): {which: _try_load's result}."""
+    def sharded(mapping: str):
+        model = tpmap.apply(build("llava", "LlavaForConditionalGeneration", torch.float32, 0, 0.0), mapping=mapping)
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = sharded(saved)
+    tpmap.training.save(folder, model, opt, step=1)
+    return {name: _try_load(folder, *sharded(mapping)) for name, mapping in (("same", same), ("changed", changed))}
+
+
+def from_pretrained_case(hf: str, folder: str) -> dict:
+    """A run built by tpmap.from_pretrained from `hf` (a real config.json's extra keys) trains a step and saves;
+    a second run built the same way from the same folder loads it: {load's result, the loaded weights equal the
+    saved ones}."""
+    def built():
+        model = tpmap.from_pretrained(hf).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = built()
+    torch.manual_seed(0)  # the same RNG state on every rank (training mode)
+    _loss(model, batch(0, model.config.vocab_size)).backward()
+    opt.step()
+    tpmap.training.save(folder, model, opt, step=1)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    again, opt2 = built()
+    result = _try_load(folder, again, opt2)
+    result["equal"] = all(torch.equal(saved[k], v) for k, v in again.state_dict().items())
+    return result
 
 
 def export_case(model_type: str, class_name: str, ckpt: str, hf: str) -> dict:

@@ -4,7 +4,10 @@
     DIR/step-00000100/manifest.json     written last: what the folder holds (see `tpmap.training.save`)
     DIR/step-00000100/tp-00000-of-00002.safetensors   tensor-parallel rank 0's tensors, model and optimizer
     DIR/step-00000100/rng-dp00000-tp00000.json        each rank's RNG states
+    DIR/step-00000100.1/                the same step saved again (a fresh folder: `latest` names it, then
+                                        the older one is removed)
     DIR/.tmp-step-00000100/             a save in progress (or killed): ignored, removed by the next save
+    DIR/.old-step-00000100/             a replaced folder being removed (or a removal killed): ignored, likewise
 """
 from __future__ import annotations
 
@@ -20,11 +23,19 @@ VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-step-"
-_CHUNK = 16 << 20
+OLD_PREFIX = ".old-"
+_CHUNK = 4 << 20
 
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def step_folders(root: Path, step: int) -> list[Path]:
+    """The folders holding a save of `step`: ``step-N`` and ``step-N.K`` (saved again)."""
+    name = step_name(step)
+    return sorted(p for p in root.glob(name + "*") if p.is_dir() and (p.name == name or (
+        p.name.startswith(name + ".") and p.name[len(name) + 1:].isdigit())))
 
 
 def tensor_file(tp_rank: int, tp_size: int) -> str:
@@ -36,11 +47,14 @@ def rng_file(dp_rank: int, tp_rank: int) -> str:
 
 
 def digest(path: Path) -> str:
-    """sha256 of a file's bytes, read in chunks."""
+    """sha256 of a file's bytes, read in chunks into one buffer (a rank's extra memory while it hashes: _CHUNK;
+    ``f.read`` would hold two chunks, the next one read while the last is still referenced)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
 
 

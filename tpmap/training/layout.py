@@ -82,6 +82,8 @@ def _layouts_by_tensor(model: nn.Module) -> dict[int, ParamLayout]:
     plan = plan_of(model)
     base = base_model(model)
     for layout in plan.params.values() if plan is not None else ():
+        if layout.dim is None and not layout.partial:  # kept whole on every rank (a Row's bias): no layout
+            continue
         owner_name, _, attr = layout.name.rpartition(".")
         owner = base.get_submodule(owner_name)
         while hasattr(owner, "get_base_layer") and owner.get_base_layer() is not owner:

@@ -1,7 +1,7 @@
 """`tpmap.training.load`: resume a run from a training checkpoint, at the shape it was saved at or another one.
 
-Two phases. Checking (nothing changes): the manifest against the model (model type, config, the mapping's
-identity, every tensor's name and full shape), the optimizer (class, groups, parameter names) and the scheduler;
+Two phases. Checking (nothing changes): the manifest against the model (model type, every tensor's name and full
+shape, config, the mapping's identity), the optimizer (class, groups, parameter names) and the scheduler;
 every file there with its recorded size and header, and its sha256 (each file hashed by one rank, in turn). The
 ranks then agree (`ranks.agree`): if any rank found a problem, every rank raises `TrainingCheckpointError` with
 it. Writing: each rank reads its local tensors under the model's current layout (`reshard.Reader`), straight into
@@ -93,9 +93,10 @@ def check_resume(directory, tp_size: int):
 def _check(directory: Path, model, optimizer, scheduler, shape: Shape) -> dict:
     folder = files.resolve(directory)
     manifest = files.read_manifest(folder)
-    _check_model(manifest, model)
+    _check_model_type(manifest, model)
     entries, aliases = model_entries(model)
-    _check_tensors(manifest, {e.key: e for e in entries}, aliases, "model/")
+    _check_tensors(manifest, {e.key: e for e in entries}, aliases, "model/")  # names a tensor whose shape changed
+    _check_config(manifest, model)  # then the same tensors computing another function (rope_theta, eps, ...)
     if (optimizer is None) != (manifest["optimizer"] is None):
         raise TrainingCheckpointError("the checkpoint holds " + ("no optimizer state but an optimizer was given" if
                                       optimizer is not None else "optimizer state but no optimizer was given") +
@@ -117,11 +118,17 @@ def _check(directory: Path, model, optimizer, scheduler, shape: Shape) -> dict:
             "reader": Reader(tensor_files, manifest), "rng": rng}
 
 
-def _check_model(manifest: dict, model) -> None:
+def _check_model_type(manifest: dict, model) -> None:
     base = base_model(model)
     if manifest["model_type"] != base.config.model_type:
         raise TrainingCheckpointError(f"the checkpoint is of a {manifest['model_type']} model "
                                       f"({manifest['model_class']}); this model is {base.config.model_type}")
+
+
+def _check_config(manifest: dict, model) -> None:
+    """The config's values (but those that say how the model runs or where it came from) and the mapping's
+    identity."""
+    base = base_model(model)
     config = base.config.to_dict()
     differ = sorted(k for k, v in manifest["config"].items() if k in config and not k.startswith("_")
                     and k not in _CONFIG_IGNORED and _plain(config[k]) != v)

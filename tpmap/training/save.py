@@ -8,9 +8,10 @@ other replicas hold the same tensors (DDP) and write only their RNG state, as ev
 
 Atomic: the files go into ``DIR/.tmp-step-N`` and are fsync'd; rank 0 checks every rank's file is there with the
 size it reported, writes ``manifest.json`` (the tensors' full shapes, dtypes and layouts, file sizes and sha256,
-the optimizer and scheduler, step, data_state, the config and the mapping's identity), renames the folder to
-``DIR/step-N`` and then replaces ``DIR/latest`` (a temporary file + rename). A save killed at any point leaves
-the previous step folder and ``latest`` as they were.
+the optimizer and scheduler, step, data_state, the config and the mapping's identity), renames the folder to a
+name no folder has (``DIR/step-N``; ``DIR/step-N.1`` when step N was saved before) and then replaces
+``DIR/latest`` (a temporary file + rename); only then are the step's older folders removed (`_commit`). A save
+killed at any point leaves ``latest`` naming a complete folder: the previous one or the new one.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from tpmap.checkpoint.safetensors import SafetensorsWriter
+from tpmap.engine.planner import composed
 from tpmap.language.source import read_file
 from tpmap.training import files, rng_state
 from tpmap.training.errors import TrainingCheckpointError
@@ -77,14 +79,14 @@ def save(directory, model: nn.Module, optimizer=None, scheduler=None, *, step: i
         error = e
     agree(error)
     reported = {name: info for part in all_gather(written) for name, info in part.items()}
-    error = None
+    error, final = None, None
     if shape.rank == 0:
         try:
-            _commit(root, tmp, step, prepared["manifest"], reported, shape)
+            final = _commit(root, tmp, step, prepared["manifest"], reported, shape)
         except Exception as e:  # raised again below, after the others have learnt of it
             error = e
     agree(error)
-    return root / files.step_name(step)
+    return root / all_gather(None if final is None else final.name)[0]
 
 
 def _prepare(model, optimizer, scheduler, step, data_state, extra, shape: Shape) -> dict:
@@ -114,7 +116,10 @@ def _prepare(model, optimizer, scheduler, step, data_state, extra, shape: Shape)
 
 def mapping_identity(model: nn.Module) -> dict | None:
     """The mapping the model was sharded by: its file and a sha256 of its parsed content (comments and layout of
-    the file do not count), or None for a model tpmap did not shard."""
+    the file do not count), or None for a model tpmap did not shard. A mapping that composes others
+    (``compose:``) is hashed with what it composes: the file's content and its entries expanded over the model
+    (every composed file's entries, replicated, grad_allreduce and unsupported items), so a change in a composed
+    file changes the identity too."""
     plan = plan_of(model)
     if plan is None:
         return None
@@ -122,8 +127,13 @@ def mapping_identity(model: nn.Module) -> dict | None:
     if not path.is_file():
         raise TrainingCheckpointError(f"the model was sharded by a mapping given as an object ({plan.source}); a "
                                       "training checkpoint records the mapping's identity: pass the mapping as a file")
-    content = json.dumps(read_file(path).data, sort_keys=True, default=str)
-    return {"source": str(path), "sha256": hashlib.sha256(content.encode()).hexdigest()}
+    loaded = read_file(path)
+    content = loaded.data
+    if loaded.mapping.compose:
+        expanded = composed(base_model(model), loaded).mapping.model_dump(mode="json")
+        content = {"file": loaded.data, "composed": expanded}
+    text = json.dumps(content, sort_keys=True, default=str)
+    return {"source": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def _generation_config(base) -> dict | None:
@@ -175,8 +185,13 @@ def _test_pause(step: int, rank: int) -> None:
     time.sleep(600)
 
 
-def _commit(root: Path, tmp: Path, step: int, manifest: dict, reported: dict, shape: Shape) -> None:
-    """Rank 0: check the files, write the manifest, rename the folder into place, then replace `latest`."""
+def _commit(root: Path, tmp: Path, step: int, manifest: dict, reported: dict, shape: Shape) -> Path:
+    """Rank 0: check the files, write the manifest, then make the folder the checkpoint. Every state a kill can
+    leave between two filesystem steps has `latest` naming a complete folder (or, before the first save, no
+    `latest`): (1) the manifest is written into the temporary folder, (2) which is renamed to a name no folder has
+    -- ``step-N``, or ``step-N.K`` when the step was saved before --, (3) `latest` is replaced to name it
+    (temporary file, fsync, os.replace), and only then (4) the step's older folders are renamed aside
+    (``.old-*``) and removed, with the temporary folders of saves killed earlier. Returns the step folder."""
     want = {files.tensor_file(t, shape.tp_size) for t in range(shape.tp_size)}
     want |= {files.rng_file(d, t) for d in range(shape.dp_size) for t in range(shape.tp_size)}
     for name in sorted(want):
@@ -186,14 +201,19 @@ def _commit(root: Path, tmp: Path, step: int, manifest: dict, reported: dict, sh
                                           f"({files.LATEST} still names the previous step)")
     manifest = {**manifest, "files": {name: reported[name] for name in sorted(want)}}
     files.write_durable(tmp / files.MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    older = files.step_folders(root, step)  # saved at this step before: replaced once `latest` names the new one
     final = root / files.step_name(step)
-    old = root / f".old-{final.name}"
-    if final.exists():  # saved again at the same step: the new folder replaces it
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+    k = 0
+    while final.exists():
+        k += 1
+        final = root / f"{files.step_name(step)}.{k}"
     os.rename(tmp, final)
     files.fsync_dir(root)
     files.write_durable(root / files.LATEST, final.name + "\n")
-    shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(files.TMP_PREFIX + "*"):  # saves killed earlier
+    for folder in older:
+        aside = root / f"{files.OLD_PREFIX}{folder.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(folder, aside)
+    for stale in [*root.glob(files.OLD_PREFIX + "*"), *root.glob(files.TMP_PREFIX + "*")]:  # saves killed earlier
         shutil.rmtree(stale, ignore_errors=True)
+    return final
