@@ -111,7 +111,8 @@ def dense_case(ref: str, verify_index: int, class_name: str, overrides: dict, no
 def lora_case(ws_overrides: dict, targets: list[str], modules_to_save: list[str]) -> dict:
     """The same on a LoRA model (tpmap.peft.get_peft_model) against plain PEFT with the same adapter values:
     Llama, adapters split (B's rows of a Column, replicated with its KV heads; A's columns of a Row) and whole,
-    and a trained copy of the vocabulary-parallel LM head (modules_to_save)."""
+    and a trained copy of the vocabulary-parallel LM head (modules_to_save). The norm of the tpmap model inside
+    (`base_norm`, cached before PEFT added its adapters) is the same: the cache follows the parameters."""
     from peft import LoraConfig
     from peft import get_peft_model as unsharded_peft_model
 
@@ -126,6 +127,7 @@ def lora_case(ws_overrides: dict, targets: list[str], modules_to_save: list[str]
         return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
                           modules_to_save=modules_to_save)
 
+    assert tpmap.training.grad_norm(sharded).item() == 0.0  # no gradients yet; its weights cached for `sharded`
     torch.manual_seed(1)
     full_peft = unsharded_peft_model(full, config())
     sharded_peft = tpmap.peft.get_peft_model(sharded, config())
@@ -148,6 +150,7 @@ def lora_case(ws_overrides: dict, targets: list[str], modules_to_save: list[str]
 
     want = torch.nn.utils.get_total_norm(_grads(full_peft))
     report = {"norm": tpmap.training.grad_norm(sharded_peft).item(), "want": want.item(),
+              "base_norm": tpmap.training.grad_norm(sharded).item(),  # (the model PEFT injected its adapters into)
               "local_torch": torch.nn.utils.get_total_norm(_grads(sharded_peft)).item(), "before": worst(),
               "trained": len(trained),
               "split_adapters": sum(1 for name, p in trained if p.shape != full_named[name].shape)}

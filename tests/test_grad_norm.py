@@ -5,19 +5,22 @@ gradient equals its reference slice of the unsharded clipped gradient -- so ever
 factor, and the replicated tensors stay equal.
 
 Covered: replicated KV heads (Llama with 1 KV head at tp 2, 2 at tp 4: each KV row held by 2 ranks), a
-vocabulary the tp size does not divide (255 rows at tp 2 and 4, 256 at tp 3: padding rows, set to 1.0 in the
-gradient to show they count for nothing), MoE experts split inside (Mixtral; Qwen3-MoE with grad_allreduce'd q/k
-norms), a ModuleList cut between the ranks (StableLM's per-head LayerNorms), LoRA adapters (tpmap.peft: B's rows
-of a Column replicated with its KV heads, A's columns of a Row, whole A / B, a trained copy of the LM head), the
-inf-norm, and DDP over a (dp 2, tp 2) mesh.
+vocabulary the tp size does not divide (255 rows at tp 2 and 4, 256 at tp 3: padding rows; backward leaves their
+gradient 0, which would hide a wrong weight, so they are set to 1.0 to show they count for nothing), MoE experts
+split inside (Mixtral; Qwen3-MoE with grad_allreduce'd q/k norms), a ModuleList cut between the ranks (StableLM's
+per-head LayerNorms), LoRA adapters (tpmap.peft: B's rows of a Column replicated with its KV heads, A's columns
+of a Row, whole A / B, a trained copy of the LM head), the inf-norm and a 3-norm, and DDP over a (dp 2, tp 2)
+mesh.
 
 Bounds: the norm within 1e-12 relative (fp64 sums reordered; measured <= 2.3e-16), the clipped gradients as
 tests/test_training.py's gradients (rank_cases._grad_report: 1e-9 relative over a 64-eps floor). The norm from
 the gradients backward gave (`natural`) within 1e-12 too, except for MoE routers, which compute in float32 even
 in fp64 (measured 1.3e-8 relative; bound 1e-6).
-Planted bugs, each caught: replicated KV heads counted twice (llama at tp 2: 2.1e-2 relative), the vocabulary's
-padding weighted 1 (inf-norm 1.0 vs 0.72; 2-norm 6.4e-3), no all-reduce (each rank its own norm: 0.22), and the
-Trainer's old cut-ModuleList indexing (IndexError on StableLM).
+Planted bugs, each caught in the default tier: replicated KV heads counted by every holder (llama at tp 2: 12.78
+against 11.59; LoRA 15.085 against 15.002), the vocabulary's padding weighted 1 (18.07 against 11.59; inf-norm 1.0
+against 0.715), no all-reduce (each rank its own norm: 8.13 against 11.59; no MAX: 0.695 against 0.715), clipping
+by the local norm (clipped gradients off by 0.07-0.44 relative), the weights' cache kept after PEFT added adapters
+(0.0 against 15.0), and the Trainer's old item indexing of a cut ModuleList (IndexError on StableLM's rank 1).
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ def test_lora_norm_and_clipping_equal_plain_peft(ranks, ws):
         r["natural"] = r["norm"]
         r["clipped_by"] = 0.0
         assert r["before"] <= GRAD_REL and r["split_adapters"] > 0 and r["trained"] > r["split_adapters"], r
+        assert r["base_norm"] == pytest.approx(r["want"], rel=NORM_REL), r
     _check(per_rank)
 
 
