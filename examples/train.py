@@ -11,9 +11,10 @@ download) and shards it with tpmap.apply. Every rank trains on the same batches,
 corpus drawn by a seeded generator; rank 0 prints each step's loss at full precision (``step N loss X``).
 --save-every N writes a training checkpoint (tpmap.training.save: weights, AdamW state, RNG, and how many batches
 the data stream has given) into --checkpoint-dir every N steps; --resume DIR continues from its latest one, at any
-number of ranks the mapping serves, and gives the same losses as a run never stopped. --save writes the
-unsharded model as a standard transformers checkpoint (tpmap.save_pretrained:
-rank 0 gathers one tensor at a time), loadable by AutoModelForCausalLM.from_pretrained.
+number of ranks the mapping serves, and gives the same losses as a run never stopped. --max-grad-norm X clips
+the gradient by the unsharded model's norm, the same factor on every rank (tpmap.training.clip_grad_norm_).
+--save writes the unsharded model as a standard transformers checkpoint (tpmap.save_pretrained: rank 0 gathers
+one tensor at a time), loadable by AutoModelForCausalLM.from_pretrained.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="write a training checkpoint every N steps")
     parser.add_argument("--checkpoint-dir", default=None, help="where --save-every writes (DIR/step-N, DIR/latest)")
     parser.add_argument("--resume", default=None, help="continue from this training checkpoint directory")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip the gradient to this norm of the unsharded model's (tpmap.training.clip_grad_norm_)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="process-group timeout in seconds: a rank that left the loop early ends the job then")
     args = parser.parse_args()
@@ -76,6 +79,8 @@ def main() -> None:
         batch = next_batch()
         loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
         loss.backward()
+        if args.max_grad_norm is not None:  # not torch's clip_grad_norm_: its norm would be each rank's own shards'
+            tpmap.training.clip_grad_norm_(model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0:

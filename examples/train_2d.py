@@ -15,6 +15,8 @@ step's global batch is rows of a small fixed corpus drawn by a seeded generator.
 checkpoint (tpmap.training.save, with dp_group) into --checkpoint-dir every N steps; --resume DIR continues from
 its latest one at any --dp x --tp the mapping serves. --save writes the unsharded model as a standard
 transformers checkpoint from replica 0 (its tp group gathers; the other replicas hold the same weights).
+--max-grad-norm X clips the DDP-averaged gradient by the unsharded model's norm (tpmap.training.clip_grad_norm_ on
+the DDP model: the tp group's all-reduce is enough, the replicas' gradients being equal).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="write a training checkpoint every N steps")
     parser.add_argument("--checkpoint-dir", default=None, help="where --save-every writes (DIR/step-N, DIR/latest)")
     parser.add_argument("--resume", default=None, help="continue from this training checkpoint directory")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip the gradient to this norm of the unsharded model's (tpmap.training.clip_grad_norm_)")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout in seconds")
     args = parser.parse_args()
 
@@ -89,6 +93,8 @@ def main() -> None:
         mine = next_batch()
         loss = ddp(input_ids=mine, labels=mine).loss  # transformers shifts the labels
         loss.backward()
+        if args.max_grad_norm is not None:  # not torch's clip_grad_norm_: its norm would be each rank's own shards'
+            tpmap.training.clip_grad_norm_(ddp, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()

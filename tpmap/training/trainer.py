@@ -23,10 +23,11 @@ and the mixin changes each through the Trainer method made for it, nothing else:
   With tp from the tpmap model, a step's loss is sum(token losses) / N over the N tokens of the whole
   accumulated global batch, as for the unsharded model.
 * Gradient norm (`_clip_grad_norm`): the norm of the local tensors differs between the ranks of a tp group, so
-  they would clip differently and their replicated weights drift apart. The mixin computes the norm of the
-  unsharded gradient: ||g||^2 = sum over ranks r of sum_i w_r(i) g_r(i)^2, one all-reduce over the tp group, with
-  w = 1 / (ranks holding element i) -- 1/tp for a replicated parameter, 1/k for a KV head held by k ranks, 0 on
-  vocabulary padding, rank 0 only for a partial-sum term -- then clips every shard by the same factor.
+  they would clip differently and their replicated weights drift apart. The mixin clips by the norm of the
+  unsharded gradient, `tpmap.training.clip_grad_norm_`: ||g||^2 = sum over ranks r of sum_i w_r(i) g_r(i)^2,
+  one all-reduce over the tp group, with w = 1 / (ranks holding element i) -- 1/tp for a replicated parameter,
+  1/k for a KV head held by k ranks, 0 on vocabulary padding, rank 0 only for a partial-sum term, LoRA adapters
+  as tpmap.peft spreads them -- so every shard is scaled by the same factor.
 * Evaluation (`evaluation_loop`): gathering metrics over every rank would repeat each replica's values tp
   times; the mixin gathers over the dp group and drops the padding of the last batch as accelerate does.
 
@@ -42,7 +43,6 @@ skip different steps; use bf16), FSDP and DeepSpeed (use `dp_group` and DDP), `l
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -58,71 +58,18 @@ from transformers.trainer_callback import TrainerState
 from tpmap.api import PLAN_ATTR, group_of
 from tpmap.checkpoint.save import save_pretrained
 from tpmap.language.errors import TpmapError
+from tpmap.training.grad_norm import clip_grad_norm_
+from tpmap.training.grad_norm import grad_norm as unsharded_grad_norm
 from tpmap.training.load import load
 from tpmap.training.save import save
 
-__all__ = ["STATE_DIR", "TensorParallelMixin", "TensorParallelTrainer", "TrainerSetupError", "unsharded_grad_norm"]
+__all__ = ["STATE_DIR", "TensorParallelMixin", "TensorParallelTrainer", "TrainerSetupError"]
 
 STATE_DIR = "tpmap_training"  # the training state's folder inside Trainer's checkpoint-N
 
 
 class TrainerSetupError(TpmapError):
     """A Trainer setting that tensor parallelism cannot follow, or a checkpoint it cannot resume."""
-
-
-def _norm_weights(model: nn.Module, tp_rank: int, tp_size: int) -> dict[str, float | tuple[int, torch.Tensor]]:
-    """Per parameter name: the weight of each local gradient element's square in the unsharded squared norm,
-    a number, or (dim, weights along dim) for a split parameter."""
-    plan = getattr(model, PLAN_ATTR, None)
-    if plan is None:
-        return {name: 1.0 for name, _ in model.named_parameters()}
-    layouts = {name: layout for layout in plan.params.values() for name in (layout.name, *layout.aliases)}
-    module_lists = [t for t in plan.tensors if t.holder == "modules"]  # a ModuleList cut by Param: whole items
-
-    def holders(layout) -> Counter:  # full index along dim -> ranks holding it
-        return Counter(i for r in range(tp_size) for i in layout.indices(r))
-
-    out: dict[str, float | tuple[int, torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        layout = layouts.get(name)
-        cut = next((t for t in module_lists if name.startswith(t.name + ".")), None)
-        if cut is not None:  # item j of this rank's list is item indices(rank)[j] of the full list
-            item = cut.indices(tp_rank)[int(name[len(cut.name) + 1:].split(".")[0])]
-            out[name] = 1.0 / holders(cut)[item]
-        elif layout is None or layout.dim is None:
-            out[name] = 1.0 / tp_size  # the whole tensor, the same on every rank
-        elif layout.partial:
-            out[name] = 1.0 if tp_rank == 0 else 0.0  # rank 0 holds the term, the others zeros
-        else:
-            count = holders(layout)
-            weights = torch.zeros(p.shape[layout.dim])  # padding past the pieces (uneven vocabularies): 0
-            own = [1.0 / count[i] for i in layout.indices(tp_rank)]
-            weights[: len(own)] = torch.tensor(own)
-            out[name] = (layout.dim, weights)
-    return out
-
-
-def unsharded_grad_norm(model: nn.Module, weights: dict, group, tp_size: int) -> torch.Tensor:
-    """The 2-norm of the unsharded model's gradient, on every rank of the tp `group`, from this rank's shards
-    (`weights` from `_norm_weights`): sqrt(all_reduce(sum_p sum_i w_p(i) g_p(i)^2)), fp32."""
-    total = None
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        square = p.grad.detach().float().square()
-        weight = weights[name]
-        if isinstance(weight, tuple):
-            dim, along = weight
-            per_index = square.movedim(dim, 0).reshape(square.shape[dim], -1).sum(1)  # (local length along dim,)
-            term = (per_index * along.to(per_index.device)).sum()
-        else:
-            term = square.sum() * weight
-        total = term if total is None else total + term
-    device = next(model.parameters()).device
-    total = torch.zeros((), device=device) if total is None else total
-    if tp_size > 1:
-        dist.all_reduce(total, group=group)
-    return total.sqrt()
 
 
 class TensorParallelMixin:
@@ -154,7 +101,6 @@ class TensorParallelMixin:
             raise TrainerSetupError(f"dp_group has {dist.get_world_size(self.dp_group)} ranks; with tp {self.tp_size} "
                                     f"of {world} ranks it must have {self.dp_size}")
         self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
-        self._norm_weights = _norm_weights(self.model, self.tp_rank, self.tp_size)
 
     def _check_args(self) -> None:
         args = self.args
@@ -218,19 +164,16 @@ class TensorParallelMixin:
         device_ids = [self.args.device.index] if self.args.device.type == "cuda" else None
         return DistributedDataParallel(model, process_group=self.dp_group, device_ids=device_ids, **kwargs)
 
-    # ---- the unsharded gradient's norm
-    def _unsharded_norm(self) -> torch.Tensor:
-        self.accelerator.unscale_gradients()  # a no-op without a GradScaler
-        return unsharded_grad_norm(self.model, self._norm_weights, self.tp_group, self.tp_size)
-
+    # ---- the unsharded gradient's norm (tpmap.training.grad_norm: its weights cached per model)
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        norm = self._unsharded_norm()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)  # same factor on every rank
-        return norm
+        self.accelerator.unscale_gradients()  # a no-op without a GradScaler
+        return clip_grad_norm_(self.model, self.args.max_grad_norm, group=self.tp_group)  # one factor on all
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
-        return self._unsharded_norm() if grad_norm is None else grad_norm
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):  # (Trainer passes grad_norm= by name)
+        if grad_norm is not None:
+            return grad_norm
+        self.accelerator.unscale_gradients()
+        return unsharded_grad_norm(self.model, group=self.tp_group)
 
     # ---- evaluation: metrics gathered over the replicas, not over every rank
     def evaluation_loop(self, *args, **kwargs):
