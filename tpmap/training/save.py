@@ -25,7 +25,7 @@ from torch import nn
 
 from tpmap.checkpoint.safetensors import SafetensorsWriter
 from tpmap.language.source import read_file
-from tpmap.training import files, rng_state
+from tpmap.training import files, fsdp, rng_state
 from tpmap.training.errors import TrainingCheckpointError
 from tpmap.training.layout import (
     base_model,
@@ -55,6 +55,7 @@ def save(directory, model: nn.Module, optimizer=None, scheduler=None, *, step: i
     try:
         inner = unwrap(model)
         shape = Shape.of(inner, dp_group)
+        fsdp.check(inner, shape, dp_group)
         prepared = _prepare(inner, optimizer, scheduler, step, data_state, extra, shape)
     except TrainingCheckpointError as e:
         error = e
@@ -141,7 +142,9 @@ def _json(value, what: str):
 def _write_rank_files(tmp: Path, prepared: dict, shape: Shape, step: int) -> dict:
     """This rank's files: the tensor file (data-parallel replica 0 only) and its RNG state. {name: size, sha256}."""
     out = {}
-    if shape.dp_rank == 0:
+    if fsdp.sharded(prepared["entries"]):  # FSDP2: the dp ranks of each tp rank write its file together
+        out = fsdp.write_tensor_file(tmp, prepared, shape)
+    elif shape.dp_rank == 0:
         mine = [e for e in prepared["entries"] if shape.tp_rank in holder_ranks(prepared["manifest"]["tensors"][e.key])]
         path = tmp / files.tensor_file(shape.tp_rank, shape.tp_size)
         writer = SafetensorsWriter(path, [(e.key, e.tensor.dtype, tuple(e.tensor.shape)) for e in mine],
