@@ -55,8 +55,8 @@ def load(directory, model: nn.Module, optimizer=None, scheduler=None, *, dp_grou
 
     A collective: call it on every rank. `directory`: the folder given to save (its `latest` step is read) or one
     step folder. The model must already be sharded at the current shape (tpmap.apply / from_pretrained, with
-    tpmap.peft adapters if it had them, inside DDP or not), which may differ from the saved one; `optimizer` a fresh
-    optimizer over its parameters with the same parameter groups. Nothing is changed on any rank unless every
+    tpmap.peft adapters if it had them; DDP or FSDP2 or neither), which may differ from the saved one; `optimizer`
+    a fresh optimizer over its parameters with the same parameter groups. Nothing is changed on any rank unless every
     check passes on every rank."""
     error, plan = None, None
     try:

@@ -4,7 +4,8 @@ Each tensor-parallel rank of data-parallel replica 0 writes one safetensors file
 them, one tensor at a time (`SafetensorsWriter`: no rank gathers anything, a rank's extra memory stays at one
 tensor, and only when it lives on a GPU): its shard of every split model tensor and of the optimizer state that
 goes with it; tensor-parallel rank 0 also writes the whole tensors (norms, routers, AdamW's ``step``) once. The
-other replicas hold the same tensors (DDP) and write only their RNG state, as every rank does.
+other replicas hold the same tensors (DDP) and write only their RNG state, as every rank does. Under FSDP2 the
+dp ranks of a tensor-parallel rank write its file together, each its rows (`tpmap.training.fsdp`).
 
 Atomic: the files go into ``DIR/.tmp-step-N`` and are fsync'd; rank 0 checks every rank's file is there with the
 size it reported, writes ``manifest.json`` (the tensors' full shapes, dtypes and layouts, file sizes and sha256,
@@ -46,10 +47,10 @@ def save(directory, model: nn.Module, optimizer=None, scheduler=None, *, step: i
     """Write the training state into ``directory/step-{step:08d}`` and point ``directory/latest`` at it.
 
     A collective: call it on every rank of the run. `model`: the tensor-parallel model (tpmap.apply,
-    tpmap.from_pretrained; a tpmap.peft model; inside DDP or not). `optimizer`, `scheduler`: a torch optimizer over
+    tpmap.from_pretrained; a tpmap.peft model; under DDP, FSDP2 or neither). `optimizer`, `scheduler`: an optimizer over
     the model's parameters and its LR scheduler. `data_state`: a JSON dict that tells the data loader where to go
     on (rank 0's is kept: make it the global position), `extra`: any JSON dict. `dp_group`: the data-parallel
-    group (or ``mesh["dp"]``) under DDP. Returns the step folder.
+    group (or ``mesh["dp"]``) under DDP or FSDP2. Returns the step folder.
     """
     error, shape, prepared = None, None, None
     try:
