@@ -74,6 +74,8 @@ def _layouts_by_tensor(model: nn.Module) -> dict[int, ParamLayout]:
     plan = plan_of(model)
     base = base_model(model)
     for layout in plan.params.values() if plan is not None else ():
+        if layout.dim is None and not layout.partial:  # whole on every rank (a Row's bias): stored as None
+            continue
         owner_name, _, attr = layout.name.rpartition(".")
         owner = base.get_submodule(owner_name)
         while hasattr(owner, "get_base_layer") and owner.get_base_layer() is not owner:
