@@ -18,48 +18,55 @@ import pytest
 import training_checkpoint_fsdp_cases as cases
 from test_training_checkpoint import RESHARD_LOSS_RTOL, RESHARD_PARAM_ATOL
 
-SAME_SHAPE = [  # (dtype, wrap, lora); the first runs in the default tier
-    ("float32", "fsdp_blocks", False),
-    ("float64", "fsdp_blocks", False),
-    ("float32", "fsdp", False),
-    ("float64", "fsdp", False),
-    ("float64", "fsdp", True),
+SAME_SHAPE = [  # (model, dtype, wrap, lora); the first runs in the default tier
+    ("llama", "float32", "fsdp_blocks", False),
+    ("llama", "float64", "fsdp_blocks", False),
+    ("llama", "float32", "fsdp", False),
+    ("llama", "float64", "fsdp", False),
+    ("llama", "float64", "fsdp", True),
+    ("gpt2", "float64", "fsdp_blocks", False),  # tied LM head, a padded vocabulary row inside a dp chunk
 ]
 
 
-@pytest.mark.parametrize("dtype,wrap,lora", [pytest.param(*c, marks=[pytest.mark.full] if i else [])
-                                             for i, c in enumerate(SAME_SHAPE)],
-                         ids=[f"{d}-{w}" + "-lora" * lora for d, w, lora in SAME_SHAPE])
-def test_fsdp_resume_at_the_same_shape_is_bit_for_bit(ranks, tmp_path, dtype, wrap, lora):
+@pytest.mark.parametrize("model,dtype,wrap,lora", [pytest.param(*c, marks=[pytest.mark.full] if i else [])
+                                                   for i, c in enumerate(SAME_SHAPE)],
+                         ids=[f"{m}-{d}-{w}" + "-lora" * lora for m, d, w, lora in SAME_SHAPE])
+def test_fsdp_resume_at_the_same_shape_is_bit_for_bit(ranks, tmp_path, model, dtype, wrap, lora):
     if lora:
         pytest.importorskip("peft")
-    spec = {"dp": 2, "wrap": wrap, "dtype": dtype, "dropout": 0.1, "stop": 4, "save_at": 2, "lora": lora}
+    spec = {"model": model, "dp": 2, "wrap": wrap, "dtype": dtype, "dropout": 0.1, "stop": 4, "save_at": 2,
+            "lora": lora}
     results = ranks(4).run(cases.same_shape_case, spec, str(tmp_path / "ckpt"), timeout=300)
     for r in results:
         assert r["steps"] == [2, 3], r["steps"]
         assert r["losses_a"] == r["losses_b"], (r["losses_a"], r["losses_b"])  # exact
         assert r["local_same"] and r["optim_same"] and r["lr_same"], r
         assert r["optim_entries"] > 0
-        assert 0 < r["read"]["bytes"] <= r["read"]["held"], r["read"]  # only this rank's rows
-    if not lora:  # dp rank 1 holds 63 of the 127 vocabulary rows (FSDP2 pads it to 64)
+        if model == "llama":  # only this rank's rows (GPT-2's fused c_attn: the Reader reads whole rows of a block)
+            assert 0 < r["read"]["bytes"] <= r["read"]["held"], r["read"]
+    if model == "llama" and not lora:  # dp rank 1 holds 63 of the 127 vocabulary rows (FSDP2 pads it to 64)
         assert [r["uneven"] for r in results[2:]] == [[(63, 96)]] * 2, [r["uneven"] for r in results]
 
 
-RESHARD = [  # ((ranks, dp, wrap) saved, (ranks, dp, wrap) resumed)
-    ((4, 2, "fsdp_blocks"), (4, 1, None)),
-    ((4, 2, "fsdp"), (4, 2, "ddp")),
-    ((4, 2, "ddp"), (4, 2, "fsdp_blocks")),
-    ((2, 1, None), (4, 2, "fsdp")),
-    ((4, 1, None), (4, 2, "fsdp_blocks")),
+RESHARD = [  # (model, (ranks, dp, wrap) saved, (ranks, dp, wrap) resumed)
+    ("llama", (4, 2, "fsdp_blocks"), (4, 1, None)),
+    ("llama", (4, 2, "fsdp"), (4, 2, "ddp")),
+    ("llama", (4, 2, "ddp"), (4, 2, "fsdp_blocks")),
+    ("llama", (2, 1, None), (4, 2, "fsdp")),
+    ("llama", (4, 1, None), (4, 2, "fsdp_blocks")),
+    # GPT-2: Conv1D, a Row's bias (whole on every rank), a padded vocabulary. Not to another tp size: its key bias
+    # has a gradient zero in exact arithmetic, whose rounding noise AdamW turns into 5.6e-12 (DDP -> tp 4 as well)
+    ("gpt2", (4, 2, "fsdp_blocks"), (4, 2, "ddp")),
 ]
 
 
 @pytest.mark.full  # 4 ranks, two runs each
-@pytest.mark.parametrize("before,after", RESHARD, ids=["fsdp-to-tp4", "fsdp-to-ddp", "ddp-to-fsdp", "tp2-to-fsdp",
-                                                       "tp4-to-fsdp"])
-def test_fsdp_resume_at_another_shape_within_the_summation_order(ranks, tmp_path, before, after):
+@pytest.mark.parametrize("model,before,after", RESHARD,
+                         ids=[f"{m}-{n}" for m, n in zip([c[0] for c in RESHARD], ["fsdp-to-tp4", "fsdp-to-ddp",
+                              "ddp-to-fsdp", "tp2-to-fsdp", "tp4-to-fsdp", "fsdp-to-ddp"], strict=True)])
+def test_fsdp_resume_at_another_shape_within_the_summation_order(ranks, tmp_path, model, before, after):
     folder = str(tmp_path / "ckpt")
-    spec = {"dtype": "float64", "stop": 5, "save_at": 2}
+    spec = {"model": model, "dtype": "float64", "stop": 5, "save_at": 2}
     a = ranks(before[0]).run(cases.resume_case, {**spec, "dp": before[1], "wrap": before[2]}, folder, False,
                              timeout=300)[0]
     b = ranks(after[0]).run(cases.resume_case, {**spec, "dp": after[1], "wrap": after[2]}, folder, True,

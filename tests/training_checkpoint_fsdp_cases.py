@@ -23,12 +23,16 @@ from tpmap.api import group_of
 from tpmap.checkpoint.safetensors import SafetensorsFile
 
 VOCAB = 254  # 127 rows per rank at tp 2: odd, so the dp chunks of the vocabulary tensors are 64 and 63 rows
+# model type -> (class, config overrides). GPT-2: a vocabulary of 257 -> 129 rows per rank at tp 2, the last of
+# rank 1 a padding row; dp chunks of 65 and 64 rows; the LM head tied to the embedding
+MODELS = {"llama": ("LlamaForCausalLM", {"vocab_size": VOCAB}), "gpt2": ("GPT2LMHeadModel", {})}
 
 
-def build(dtype: torch.dtype, seed: int, dropout: float) -> torch.nn.Module:
-    config = AutoConfig.for_model("llama", **{**verify.resolve("llama").mapping.verify[0].config, "vocab_size": VOCAB})
+def build(dtype: torch.dtype, seed: int, dropout: float, model_type: str = "llama") -> torch.nn.Module:
+    class_name, overrides = MODELS[model_type]
+    config = AutoConfig.for_model(model_type, **{**verify.resolve(model_type).mapping.verify[0].config, **overrides})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = getattr(transformers, class_name)(config)
     verify.large_init_(model, seed)
     model = model.to(dtype).train()
     from rank_cases import zero_dropout_
@@ -65,7 +69,8 @@ def setup(spec: dict, seed: int):
     dp = spec.get("dp", 1)
     mesh = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "tp")) if dp > 1 else None
     dtype = getattr(torch, spec.get("dtype", "float64"))
-    model = tpmap.apply(build(dtype, seed, spec.get("dropout", 0.0)), group=mesh["tp"] if mesh else None)
+    full = build(dtype, seed, spec.get("dropout", 0.0), spec.get("model", "llama"))
+    model = tpmap.apply(full, group=mesh["tp"] if mesh else None)
     if spec.get("lora"):
         from peft import LoraConfig
 
@@ -117,7 +122,7 @@ def run(spec: dict, folder: str, resume: bool) -> dict:
         start = state.data_state["next_batch"]
     losses = {}
     for step in range(start, spec["stop"]):
-        ids = cases.batch(step, VOCAB)
+        ids = cases.batch(step, model.config.vocab_size)
         loss = cases._loss(trained, ids[dp_rank * cases.BATCH // dp: (dp_rank + 1) * cases.BATCH // dp])
         loss.backward()
         opt.step()
@@ -150,7 +155,7 @@ def _full(model, spec: dict) -> dict:
     tpmap.full_state_dict gathers over tp (a collective: every rank)."""
     if not any(hasattr(p, "to_local") for p in model.parameters()):
         return tpmap.full_state_dict(model)
-    plain = tpmap.apply(build(model.dtype, 0, 0.0), group=group_of(model))
+    plain = tpmap.apply(build(model.dtype, 0, 0.0, spec.get("model", "llama")), group=group_of(model))
     with torch.no_grad():
         for (name, t), (other, mine) in zip(model.state_dict().items(), plain.state_dict().items(), strict=True):
             assert name == other, (name, other)
