@@ -37,16 +37,8 @@ class Entry:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP; FSDP2 (parameters replaced by DTensors) is refused."""
-    from torch.distributed.tensor import DTensor
-
-    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
-    if any(isinstance(p, DTensor) for p in inner.parameters()):
-        raise TrainingCheckpointError(
-            "tpmap.training saves tensor-parallel models, alone or inside DDP; this model's parameters are DTensors "
-            "(FSDP2's fully_shard over the data-parallel dimension), which it does not save yet: wrap the replicas "
-            "with DistributedDataParallel, or save with torch.distributed.checkpoint")
-    return inner
+    """The model inside DDP (an FSDP2 model is the model itself: see tpmap.training.fsdp)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -20,7 +20,7 @@ from tpmap.api import plan as plan_model
 from tpmap.checkpoint.errors import CheckpointError
 from tpmap.checkpoint.safetensors import SafetensorsFile
 from tpmap.language.errors import TpmapError
-from tpmap.training import files, rng_state
+from tpmap.training import files, fsdp, rng_state
 from tpmap.training.errors import TrainingCheckpointError
 from tpmap.training.export import meta_model
 from tpmap.training.layout import (
@@ -55,13 +55,14 @@ def load(directory, model: nn.Module, optimizer=None, scheduler=None, *, dp_grou
 
     A collective: call it on every rank. `directory`: the folder given to save (its `latest` step is read) or one
     step folder. The model must already be sharded at the current shape (tpmap.apply / from_pretrained, with
-    tpmap.peft adapters if it had them, inside DDP or not), which may differ from the saved one; `optimizer` a fresh
-    optimizer over its parameters with the same parameter groups. Nothing is changed on any rank unless every
+    tpmap.peft adapters if it had them; DDP or FSDP2 or neither), which may differ from the saved one; `optimizer`
+    a fresh optimizer over its parameters with the same parameter groups. Nothing is changed on any rank unless every
     check passes on every rank."""
     error, plan = None, None
     try:
         inner = unwrap(model)
         shape = Shape.of(inner, dp_group)
+        fsdp.check(inner, shape, dp_group)
         plan = _check(Path(directory) if not isinstance(directory, Path) else directory, inner, optimizer, scheduler,
                       shape)
     except TrainingCheckpointError as e:
@@ -221,7 +222,7 @@ def _check_stored(manifest: dict, tensor_files: list[SafetensorsFile]) -> None:
 def _write(plan: dict, model, optimizer, scheduler, shape: Shape) -> None:
     manifest, reader = plan["manifest"], plan["reader"]
     for entry in plan["entries"]:
-        reader.fill(entry.key, entry.layout, shape.tp_rank, entry.tensor)
+        fsdp.fill(reader, entry.key, entry.layout, shape.tp_rank, entry.tensor)  # a plain tensor: reader.fill
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state(manifest, model, optimizer, reader, shape.tp_rank))
     if scheduler is not None:
@@ -253,8 +254,10 @@ def _optimizer_state(manifest: dict, model, optimizer, reader: Reader, tp_rank: 
                     out = optimizer.state.get(p, {}).get(state_key)  # filled in place when it is there already
                     if not isinstance(out, torch.Tensor) or tuple(out.shape) != local or \
                             out.dtype != getattr(torch, info["dtype"]):
-                        out = torch.empty(local, dtype=getattr(torch, info["dtype"]))
-                    reader.fill(key, layout, tp_rank, out)
+                        dtype = getattr(torch, info["dtype"])  # FSDP2: a DTensor placed like its parameter
+                        out = fsdp.state_like(p, dtype) if shaped and fsdp.is_sharded(p) else \
+                            torch.empty(local, dtype=dtype)
+                    fsdp.fill(reader, key, layout, tp_rank, out)
                     values[state_key] = out
             if values:
                 state[index] = values

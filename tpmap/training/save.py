@@ -4,7 +4,8 @@ Each tensor-parallel rank of data-parallel replica 0 writes one safetensors file
 them, one tensor at a time (`SafetensorsWriter`: no rank gathers anything, a rank's extra memory stays at one
 tensor, and only when it lives on a GPU): its shard of every split model tensor and of the optimizer state that
 goes with it; tensor-parallel rank 0 also writes the whole tensors (norms, routers, AdamW's ``step``) once. The
-other replicas hold the same tensors (DDP) and write only their RNG state, as every rank does.
+other replicas hold the same tensors (DDP) and write only their RNG state, as every rank does. Under FSDP2 the
+dp ranks of a tensor-parallel rank write its file together, each its rows (`tpmap.training.fsdp`).
 
 Atomic: the files go into ``DIR/.tmp-step-N`` and are fsync'd; rank 0 checks every rank's file is there with the
 size it reported, writes ``manifest.json`` (the tensors' full shapes, dtypes and layouts, file sizes and sha256,
@@ -27,7 +28,7 @@ from torch import nn
 from tpmap.checkpoint.safetensors import SafetensorsWriter
 from tpmap.engine.planner import composed
 from tpmap.language.source import read_file
-from tpmap.training import files, rng_state
+from tpmap.training import files, fsdp, rng_state
 from tpmap.training.errors import TrainingCheckpointError
 from tpmap.training.layout import (
     base_model,
@@ -48,15 +49,16 @@ def save(directory, model: nn.Module, optimizer=None, scheduler=None, *, step: i
     """Write the training state into ``directory/step-{step:08d}`` and point ``directory/latest`` at it.
 
     A collective: call it on every rank of the run. `model`: the tensor-parallel model (tpmap.apply,
-    tpmap.from_pretrained; a tpmap.peft model; inside DDP or not). `optimizer`, `scheduler`: a torch optimizer over
+    tpmap.from_pretrained; a tpmap.peft model; under DDP, FSDP2 or neither). `optimizer`, `scheduler`: an optimizer over
     the model's parameters and its LR scheduler. `data_state`: a JSON dict that tells the data loader where to go
     on (rank 0's is kept: make it the global position), `extra`: any JSON dict. `dp_group`: the data-parallel
-    group (or ``mesh["dp"]``) under DDP. Returns the step folder.
+    group (or ``mesh["dp"]``) under DDP or FSDP2. Returns the step folder.
     """
     error, shape, prepared = None, None, None
     try:
         inner = unwrap(model)
         shape = Shape.of(inner, dp_group)
+        fsdp.check(inner, shape, dp_group)
         prepared = _prepare(inner, optimizer, scheduler, step, data_state, extra, shape)
     except TrainingCheckpointError as e:
         error = e
@@ -151,7 +153,9 @@ def _json(value, what: str):
 def _write_rank_files(tmp: Path, prepared: dict, shape: Shape, step: int) -> dict:
     """This rank's files: the tensor file (data-parallel replica 0 only) and its RNG state. {name: size, sha256}."""
     out = {}
-    if shape.dp_rank == 0:
+    if fsdp.sharded(prepared["entries"]):  # FSDP2: the dp ranks of each tp rank write its file together
+        out = fsdp.write_tensor_file(tmp, prepared, shape)
+    elif shape.dp_rank == 0:
         mine = [e for e in prepared["entries"] if shape.tp_rank in holder_ranks(prepared["manifest"]["tensors"][e.key])]
         path = tmp / files.tensor_file(shape.tp_rank, shape.tp_size)
         writer = SafetensorsWriter(path, [(e.key, e.tensor.dtype, tuple(e.tensor.shape)) for e in mine],
