@@ -103,6 +103,7 @@ class Plan:
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
     kept_whole: tuple[tuple[str, str, int], ...] = ()  # (pattern, reason, modules matched): a partial mapping
     refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model
+    uneven: tuple[str, ...] = ()  # tensors split unevenly (engine.pieces): ranks hold different counts, or repeats
 
     @property
     def params(self) -> dict[str, ParamLayout]:
