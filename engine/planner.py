@@ -234,8 +234,14 @@ class Planner:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
         entries = list(enumerate(self.loaded.mapping.entries))  # Updates last: they read whether a split is uneven
-        for i, entry in [e for e in entries if not isinstance(e[1], Update)] + [
+        for i, entry in [e for e in entries if not isinstance(e[1], Update)] + [(None, None)] + [
                 e for e in entries if isinstance(e[1], Update)]:
+            if entry is None:  # every layout planned: are the uneven heads paired?
+                try:
+                    check_head_sections(self)
+                except TpmapError as e:
+                    self.fail(e)
+                continue
             config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
             if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
                 continue
@@ -610,9 +616,10 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
         if (len(values) == 1 and values[0] not in plain) or (len(values) == 2 and values not in kv):
             counts = sorted(plain) + [f"{k} for {q}" for k, q in sorted(kv)]
             raise ctx.error(UnevenSplitError, f"{where}: per_rank({', '.join(args)}) = per_rank"
-                            f"({', '.join(map(str, values))}) counts no heads this plan splits unevenly-aware "
-                            f"(its head counts: {', '.join(map(str, counts))}); at world size {ctx.tp_size} the "
-                            "value would not match the ranks' heads", "attributes", path, rule="divisibility")
+                            f"({', '.join(map(str, values))}) names no head count this plan lays out (its head "
+                            f"counts: {', '.join(map(str, counts))}); at world size {ctx.tp_size}, which splits "
+                            "unevenly, the value would not match the ranks' heads", "attributes", path,
+                            rule="divisibility")
 
 
 def head_counts(head_sections, tp_size: int) -> tuple[set[int], set[tuple[int, int]]]:
@@ -688,10 +695,6 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                         modules=(), updates=(), source=loaded.source.path)
     p = Planner(model, loaded, tp_size, errors)
     p.plan_entries()
-    try:
-        check_head_sections(p)
-    except TpmapError as e:
-        p.fail(e)
     for e in tie_errors(model, loaded, p.shards, p.tensors, p.owner):
         p.fail(e)
     grad_allreduce = []
