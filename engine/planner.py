@@ -221,7 +221,8 @@ class Planner:
         self.seen_attr: dict[tuple[str, str], int] = {}
         self.applied: list[int] = []  # entries whose `when` matches this config
         self.uneven: list[str] = []  # tensors split by the uneven rule (engine.pieces), in planning order
-        self.head_sections: list[tuple[int, int | None, int]] = []  # (heads, query_heads, entry) of uneven layouts
+        self.head_sections: list[tuple[int, int | None, int]] = []  # (heads, query_heads, entry) of every layout
+        self.layouts: list[tuple[list, bool]] = []  # (sections, replicate) of every layout, for even_world_sizes
 
     # -- driving ---------------------------------------------------------------------------------
     def fail(self, error: TpmapError) -> None:
@@ -333,6 +334,7 @@ class Planner:
                                                   allow_uneven=True)
         if uneven:
             self.uneven.append(name)
+        self.layouts.append((sections, replicate))
         self.head_sections += [(h, q, ctx.index) for _, h, q in sections if h is not None]
         return pieces, replicated
 
@@ -710,6 +712,9 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                 grad_allreduce=tuple(dict.fromkeys(grad_allreduce)), tensors=tuple(p.tensors),
                 reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
                 kept_whole=tuple(k for k in kept_whole if k[2]), uneven=tuple(p.uneven),
+                even_world_sizes=tuple(w for w in range(1, 17) if not any(
+                    split.uneven_section(*s, w, replicate) for sections, replicate in p.layouts for s in sections))
+                if p.uneven else (),
                 refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")
 
 

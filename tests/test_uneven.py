@@ -184,3 +184,22 @@ def test_bert_with_12_heads_is_exact_at_world_size_5(ranks, tmp_path):
     ref, index = _with_case(tmp_path, "bert", BERT_12_AT_5)
     per_rank = ranks(5).run(rank_cases.prove_case, ref, index, "BertForMaskedLM", True, False)
     _assert_exact(ref, index, "BertForMaskedLM", 5, per_rank, generate=False)
+
+
+@pytest.mark.full  # torch.compile (aot_eager): each rank traces its own local shapes
+def test_compiled_uneven_llama_equals_eager_and_unsharded(ranks, tmp_path):
+    import compile_cases
+    path = write_mapping(tmp_path, "llama", mapping_text("llama").replace("verify:\n", "verify:\n" + LLAMA_9_3, 1))
+    for r in ranks(2).run(compile_cases.compiled_logits, str(path), "LlamaForCausalLM", timeout=600):
+        assert r["vs_eager"] <= 1e-6 * r["scale"] and r["vs_unsharded"] <= 1e-5 * r["scale"], r
+    for r in ranks(2).run(compile_cases.compiled_training_step, str(path), "LlamaForCausalLM", timeout=600):
+        assert r["checked"] > 10 and r["worst_rel"] <= 1e-4 and r["loss_diff"] <= 1e-5, r
+
+
+def test_paths_not_proven_uneven_are_refused_on_real_ranks(ranks, tmp_path):
+    ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
+    import uneven_cases
+    for r in ranks(2).run(uneven_cases.refused_paths, ref, index, "LlamaForCausalLM", str(tmp_path / "ckpt")):
+        for path, message in r.items():
+            assert message.startswith("UnevenSplitError: ") and "world size 2 splits" in message, (path, message)
+            assert "world sizes that split this model evenly: 1, 3, 9" in message, (path, message)
