@@ -144,9 +144,11 @@ class EntryContext:
             f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
         )
 
+    uneven = False  # the plan splits something unevenly: per_rank follows the uneven rule (check_per_rank)
+
     def eval(self, text, *key, tp_rank: int = 0) -> int:
         try:
-            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank)
+            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank, self.uneven)
         except TpmapError as e:
             raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
@@ -409,6 +411,7 @@ class Planner:
     # -- Update ------------------------------------------------------------------------------------
     def update(self, entry: Update, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """Per-rank attribute values; a bad attribute is recorded and the others still checked."""
+        ctx.uneven = bool(self.uneven)
         for path, value_expr in entry.attributes.items():
             try:
                 if self.uneven:

@@ -45,7 +45,8 @@ def cases():
 
 
 def plans(path, index: int, cls: str):
-    """{world size: digest, or the error's class name} for one case, at world sizes 2..8."""
+    """{world size: digest ("uneven:" digest for a plan that splits unevenly), or the error's class name} for one
+    case, at world sizes 2..8."""
     from tpmap.engine.planner import build_plan
     from tpmap.language.errors import TpmapError
     from tpmap.language.source import read_file
@@ -57,7 +58,8 @@ def plans(path, index: int, cls: str):
     out = {}
     for ws in WORLD_SIZES:
         try:
-            out[ws] = digest(build_plan(model, loaded, ws))
+            plan = build_plan(model, loaded, ws)
+            out[ws] = ("uneven:" if getattr(plan, "uneven", ()) else "") + digest(plan)
         except TpmapError as e:
             out[ws] = type(e).__name__
     return out

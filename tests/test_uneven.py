@@ -50,8 +50,10 @@ def test_rank_heads_balanced_and_kv_heads_follow_their_query_heads():
     assert [expr.rank_heads(2, 4, r, query=12) for r in range(4)] == [[0], [0], [1], [1]]  # vLLM's rule
     assert expr.rank_heads(12, 13, 0) is None  # a rank would hold no head
     lookup = {"h": 9, "kv": 3}.__getitem__
-    groups = [expr.evaluate("per_rank(h) // per_rank(kv, h)", lookup, 4, r) for r in range(4)]
+    groups = [expr.evaluate("per_rank(h) // per_rank(kv, h)", lookup, 4, r, uneven=True) for r in range(4)]
     assert groups == [3, 2, 1, 2]  # each rank's query heads = repeat_kv(its KV heads, groups)
+    with pytest.raises(tpmap.DivisibilityError, match="9 heads cannot be spread over world size 4"):
+        expr.evaluate("per_rank(h)", lookup, 4, 0)  # a plan split evenly: the even rule only
 
 
 @pytest.mark.parametrize("heads,query,ws", [(9, None, 2), (9, None, 4), (3, 9, 2), (3, 9, 4), (12, None, 5),
@@ -75,12 +77,20 @@ def _stored_cases(every: bool):
             if every or key.split("/")[0] in REPRESENTATIVE]
 
 
+def _planned(digest: str) -> bool:
+    """A digest of an even plan (16 hex digits), not an error's class name nor an uneven plan's "uneven:..."."""
+    return len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)
+
+
 def _same_as_main(cases) -> None:
-    changed = []
+    """Every plan main made is made alike; a world size main refused is refused still, or planned uneven."""
+    changed, accepted = [], []
     for key, path, index, cls, want in cases:
         got = plan_digests.plans(path, index, cls)
-        changed += [(key, ws) for ws, digest in want.items() if len(digest) == 16 and got[int(ws)] != digest]
+        changed += [(key, ws) for ws, digest in want.items() if _planned(digest) and got[int(ws)] != digest]
+        accepted += [(key, ws) for ws, digest in want.items() if not _planned(digest) and _planned(got[int(ws)])]
     assert not changed, changed
+    assert not accepted, ("accepted at an even split though main refused it", accepted)
 
 
 def test_divisible_plans_of_representative_families_are_mains():

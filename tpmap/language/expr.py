@@ -180,8 +180,15 @@ def rank_heads(n: int, tp_size: int, rank: int, query: int | None = None) -> lis
     return [h for h, m in runs for _ in range(m // g)]
 
 
-def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: int | None = None) -> int:
-    """Heads held by `rank` (`rank_heads`; KV heads of `query` query heads when given)."""
+def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: int | None = None,
+             uneven: bool = False) -> int:
+    """Heads held by `rank` (`rank_heads`; KV heads of `query` query heads when given). Unless `uneven` (the
+    plan splits something unevenly, so the caller checks that n is a head count it lays out), counts that
+    only the uneven rule splits are refused, as before uneven splits existed."""
+    if not uneven and not (n > 0 and even(n, tp_size) and (query is None or even(query, tp_size))):
+        raise DivisibilityError(
+            f"{n} {what} cannot be spread over world size {tp_size}: neither divides the other. "
+            f"Use a world size that divides {n} or is a multiple of it.")
     heads = rank_heads(n, tp_size, rank, query) if n > 0 else None
     if heads is not None:
         return len(heads)
@@ -194,8 +201,10 @@ def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: in
     )
 
 
-def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0) -> int:
-    """Evaluate with `lookup(name)` for config attributes (it raises for unknown names)."""
+def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0,
+             uneven: bool = False) -> int:
+    """Evaluate with `lookup(name)` for config attributes (it raises for unknown names); `uneven`: per_rank
+    follows the uneven rule too (see `per_rank`)."""
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant):
@@ -212,7 +221,7 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
             return value
         if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
             query = ev(node.args[1]) if len(node.args) == 2 else None
-            return per_rank(ev(node.args[0]), tp_size, rank=tp_rank, query=query)
+            return per_rank(ev(node.args[0]), tp_size, rank=tp_rank, query=query, uneven=uneven)
         assert isinstance(node, ast.BinOp), ast.dump(node)
         a, b = ev(node.left), ev(node.right)
         if isinstance(node.op, ast.Add):
