@@ -239,8 +239,9 @@ class Planner:
         entries = list(enumerate(self.loaded.mapping.entries))  # Updates last: they read whether a split is uneven
         for i, entry in [e for e in entries if not isinstance(e[1], Update)] + [(None, None)] + [
                 e for e in entries if isinstance(e[1], Update)]:
-            if entry is None:  # every layout planned: are the uneven heads paired?
+            if entry is None:  # every layout planned: may this mapping split unevenly, are the heads paired?
                 try:
+                    check_uneven_proven(self)
                     check_head_sections(self)
                 except TpmapError as e:
                     self.fail(e)
@@ -631,6 +632,20 @@ def head_counts(head_sections, tp_size: int) -> tuple[set[int], set[tuple[int, i
     """(plain head counts, (kv, query) pairs) of the head sections the plan laid out."""
     plain = {h for h, q, _ in head_sections if q is None or q == h}
     return plain, {(h, q) for h, q, _ in head_sections if q is not None and q != h}
+
+
+def check_uneven_proven(planner: Planner) -> None:
+    """An uneven split only for a mapping proven uneven (its `uneven: true`): a model's forward may read a
+    per-rank size that no Update of an unproven mapping sets per rank."""
+    if not planner.uneven or planner.loaded.mapping.uneven:
+        return
+    even = [w for w in range(1, 17) if not any(split.uneven_section(*s, w, replicate)
+                                                for sections, replicate in planner.layouts for s in sections)]
+    raise UnevenSplitError(
+        f"{planner.uneven[0]} would be split unevenly at world size {planner.tp_size} (ranks "
+        f"holding different numbers of heads or features), and this mapping is not proven at uneven world "
+        f"sizes (no `uneven: true`); world sizes that split this model evenly: "
+        f"{', '.join(map(str, even)) or 'none up to 16'}", planner.loaded.source.value(("model_type",)), "divisibility")
 
 
 def check_head_sections(planner: Planner) -> None:

@@ -44,10 +44,11 @@ def test_world_size_that_does_not_divide_the_heads():
         tpmap.plan(model, 13)
     msg = str(e.value)
     assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 13" in msg and "transformer.h.0.attn.c_attn" in msg
-    with pytest.raises(DivisibilityError) as e:  # 12 heads at 5: an uneven split, but gpt2's Update reads tp_size
+    with pytest.raises(DivisibilityError) as e:  # 12 heads at 5: an uneven split, and gpt2 is not proven uneven
         tpmap.plan(model, 5)
     msg = str(e.value)
-    assert "gpt2.yaml:" in msg and "world size 5" in msg and "transformer.h.0.attn.c_attn" in msg and "per_rank(" in msg
+    assert "gpt2.yaml:" in msg and "transformer.h.0.attn.c_attn would be split unevenly at world size 5" in msg
+    assert "world sizes that split this model evenly: 1, 2, 3, 4, 6, 12" in msg, msg
 
 
 @pytest.mark.full  # 3 ranks

@@ -88,9 +88,9 @@ def test_plan_cli_prints_table(capsys):
     assert cli.main(["plan", "llama", "-n", "4"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.k_proj.weight" in out and "r3:8:8" in out
-    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8: uneven,
-    err = capsys.readouterr().err  # and gpt2's Update reads tp_size
-    assert "'n_embd // tp_size' reads the world size, but at world size 8" in err and "per_rank(" in err, err
+    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8: uneven
+    err = capsys.readouterr().err  # and gpt2 is not proven uneven
+    assert "transformer.h.0.attn.c_attn would be split unevenly at world size 8" in err and "uneven: true" in err, err
     assert cli.main(["plan", "gpt2", "-n", "13", "--default-config", "--rank", "0"]) == 1  # fewer heads than ranks
     assert "12 heads cannot be split over world size 13" in capsys.readouterr().err
 

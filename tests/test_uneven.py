@@ -110,6 +110,14 @@ def _meta_llama(**config):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config}))
 
 
+def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size():
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(verify.tiny_config("gpt2"))
+    with pytest.raises(UnevenSplitError, match=r"not proven at uneven world sizes \(no `uneven: true`\); world "
+                       "sizes that split this model evenly: 1, 2, 3, 4, 6, 12"):
+        tpmap.plan(model, 5)
+
+
 def test_an_update_that_reads_tp_size_is_refused_at_an_uneven_world_size():
     text = edited("bert", "num_attention_heads: per_rank(num_attention_heads)", "num_attention_heads: "
                   "num_attention_heads // tp_size")

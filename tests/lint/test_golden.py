@@ -114,11 +114,11 @@ def test_json_format():
     assert data["files"] == ["tests/lint/cases/world_size.yaml", "mappings/gpt2.yaml"]
     first = data["diagnostics"][0]
     assert first == {
-        "path": "tests/lint/cases/world_size.yaml", "line": 26, "col": 19, "severity": "error",
+        "path": "tests/lint/cases/world_size.yaml", "line": 5, "col": 13, "severity": "error",
         "rule": "divisibility", "message": first["message"],
     }
-    assert first["message"].startswith("world size 8: entry 4 (Update 'h.*.attn'): split_size")  # 12 heads: uneven
-    assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 3
+    assert first["message"].startswith("world size 8: transformer.h.0.attn.c_attn would be split unevenly")
+    assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 4  # and the 3 Updates that read tp_size
     status, out = regen.run_lint("--format", "json", "mappings/gpt2.yaml", "mappings/llama.yaml")
     files = ["mappings/gpt2.yaml", "mappings/llama.yaml"]
     assert status == 0 and json.loads(out) == {"files": files, "diagnostics": []}

@@ -747,6 +747,12 @@ class Mapping(_Strict):
         "[B, 1, T, 1] row mask): apply then refuses it with this reason before changing anything, instead of "
         "failing at the first forward. The composing file's own field decides for a composed model"
     )
+    uneven: StrictBool = Field(
+        False, description="the mapping is proven at world sizes that split its heads or features unevenly (rank r "
+        "holding n // tp_size or one more; docs/mapping-schema.md, uneven world sizes): its Updates are per rank "
+        "and a test proves it at such a world size. Without it an uneven world size is refused, naming the world "
+        "sizes that split the model evenly"
+    )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
