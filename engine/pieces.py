@@ -2,9 +2,14 @@
 
 A split dimension is a list of *sections* (blocks stored one after the other, e.g. [q | k | v] or
 [gate | up]); each section is split over the ranks on its own and every rank's pieces are regrouped
-in order, so rank r holds [q_r | k_r | v_r]. A section with ``heads`` is split on head boundaries;
-with fewer heads than ranks (MQA/GQA K/V) each head is replicated by vLLM's rule: rank r holds head
-``r // (tp_size / heads)``. Optionally the dimension is first a run of ``groups`` equal groups, each
+in order, so rank r holds [q_r | k_r | v_r]. A section with ``heads`` is split on head boundaries
+by `tpmap.language.expr.rank_heads`: with fewer heads than ranks (MQA/GQA K/V) each head is replicated
+by vLLM's rule, rank r holds head ``r // (tp_size / heads)``. At a world size that does not divide the
+heads (planned as *uneven*), ranks hold ``heads // tp_size`` or one more, and key/value heads that name
+their ``query_heads`` follow the query heads: each rank holds every KV head its query heads read,
+repeated so that HF's ``repeat_kv`` pairs them (a head may then appear on two ranks, or twice on one).
+Plain features split unevenly the same way (``size // tp_size``, one more on the first ranks).
+Optionally the dimension is first a run of ``groups`` equal groups, each
 laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads.
 
 Result: ``pieces[r]`` = tuple of ``(start, length)`` ranges of the full dimension; the rank's local
@@ -14,6 +19,8 @@ tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from tpmap.language import expr
 
 Pieces = tuple[tuple[int, int], ...]
 # raise_error(message, key) -> an exception: the caller locates it in the mapping file
@@ -31,44 +38,77 @@ def merge(ranges) -> Pieces:
     return tuple(out)
 
 
-def split_sections(sections: list[tuple[int, int | None]], tp_size: int, replicate: bool, fail: Fail,
-                   heads_key: Callable[[int], tuple]) -> tuple[tuple[Pieces, ...], bool]:
-    """Every rank's pieces of a dimension made of `sections` ((size, heads) each, summing to the dim).
+def split_sections(sections: list[tuple], tp_size: int, replicate: bool, fail: Fail,
+                   heads_key: Callable[[int], tuple], allow_uneven: bool = False) -> tuple[tuple[Pieces, ...], bool]:
+    """Every rank's pieces of a dimension made of `sections` ((size, heads) or (size, heads, query_heads)
+    each, summing to the dim).
 
-    `replicate`: fewer heads than ranks may be replicated (a Column's output); a Row's input may not.
-    Returns (pieces per rank, whether any head is held by more than one rank).
+    `replicate`: a head may be held by more than one rank (a Column's output); a Row's input may not.
+    `allow_uneven`: a dimension the world size does not divide is split as evenly as possible
+    (`expr.rank_heads` for heads; plain features: ``size // tp_size``, one more on the first
+    ``size % tp_size`` ranks); else it is refused, as before uneven splits existed.
+    Returns (pieces per rank, whether any head is held more than once: by two ranks, or twice by one).
     """
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(tp_size)]
     replicated = False
     offset = 0
-    for k, (size, heads) in enumerate(sections):
+    for k, (size, heads, *query) in enumerate(sections):
+        query = query[0] if query else None
         if heads is not None:
-            if heads <= 0 or size % heads:
-                raise fail(f"a section of {size} features cannot hold {heads} heads", heads_key(k))
-            head = size // heads
-            if heads % tp_size == 0:
-                n = heads // tp_size
-                for r in range(tp_size):
-                    per_rank[r].append((offset + r * n * head, n * head))
-            elif replicate and tp_size % heads == 0:
-                replicated = True
-                for r in range(tp_size):  # vLLM's rule: rank r uses head r // (tp_size / heads)
-                    per_rank[r].append((offset + (r // (tp_size // heads)) * head, head))
-            else:
-                why = "neither divides the other" if replicate else "a Row input cannot be replicated"
-                works = [w for w in range(1, 2 * heads + 1) if heads % w == 0 or (replicate and w % heads == 0)]
-                raise fail(f"{heads} heads cannot be split over world size {tp_size} ({why}); world sizes that "
-                           f"work: {', '.join(map(str, works[:8]))}", heads_key(k))
+            held = _head_ranges(size, heads, query, tp_size, replicate, allow_uneven, fail, heads_key(k))
+            replicated = replicated or sum(map(len, held)) > heads
+            for r in range(tp_size):
+                per_rank[r] += [(offset + s, n) for s, n in held[r]]
         else:
-            if size % tp_size:
+            if size % tp_size and not (allow_uneven and size >= tp_size):
                 works = [w for w in range(1, min(size, 64) + 1) if size % w == 0]
                 raise fail(f"{size} features cannot be split over world size {tp_size}; world sizes that divide "
                            f"{size}: {', '.join(map(str, works[:8]))}", ("module",))
-            n = size // tp_size
-            for r in range(tp_size):
-                per_rank[r].append((offset + r * n, n))
+            for r, (start, n) in enumerate(balanced(size, tp_size)):
+                per_rank[r].append((offset + start, n))
         offset += size
     return tuple(merge(ranges) for ranges in per_rank), replicated
+
+
+def balanced(size: int, tp_size: int) -> list[tuple[int, int]]:
+    """(start, length) of each rank's block of `size` items: size // tp_size, one more on the first
+    size % tp_size ranks (10 at 4: (0, 3), (3, 3), (6, 2), (8, 2)); equal blocks when tp_size divides size."""
+    base, extra = divmod(size, tp_size)
+    return [(r * base + min(r, extra), base + (r < extra)) for r in range(tp_size)]
+
+
+def uneven_section(size: int, heads: int | None, query: int | None, tp_size: int, replicate: bool) -> bool:
+    """Whether a section needs the uneven rule at tp_size (the even rule, the only one before, would refuse it
+    or, for key/value heads of unevenly split query heads, lay them out differently)."""
+    if heads is None:
+        return size % tp_size != 0
+    even = heads % tp_size == 0 or (replicate and tp_size % heads == 0)
+    return not even or (query is not None and not expr.even(query, tp_size))
+
+
+def _head_ranges(size: int, heads: int, query: int | None, tp_size: int, replicate: bool, allow_uneven: bool,
+                 fail: Fail, key: tuple) -> list[list[tuple[int, int]]]:
+    """Each rank's (start, length) ranges of one section of `heads` heads (`expr.rank_heads`), in local order."""
+    if heads <= 0 or size % heads:
+        raise fail(f"a section of {size} features cannot hold {heads} heads", key)
+    if query is not None and (query <= 0 or query % heads):
+        raise fail(f"{heads} key/value heads must divide the {query} query heads (query_heads)", key)
+    head = size // heads
+    uneven = uneven_section(size, heads, query, tp_size, replicate)
+    held = None if uneven and not allow_uneven else [expr.rank_heads(heads, tp_size, r, query)
+                                                     for r in range(tp_size)]
+    shared = held is not None and None not in held and sum(map(len, held)) > heads
+    if held is None or None in held or (shared and not replicate):
+        why = ("a Row input cannot be replicated" if shared and not replicate else
+               "fewer heads than ranks, not dividing the world size" if allow_uneven else
+               "neither divides the other")
+        fewest = heads if query is None else min(heads, query)
+        works = [w for w in range(1, 2 * fewest + 1)
+                 if (allow_uneven and w <= (fewest if replicate else heads)) or heads % w == 0
+                 or (replicate and w % fewest == 0)]
+        raise fail(f"{heads} heads cannot be split over world size {tp_size} ({why}); world sizes that "
+                   f"work: {', '.join(map(str, works[:8]))}", key)
+    return [list(merge((h * head, head) for h in rank)) for rank in held]
 
 
 def split_groups(groups: int, group_width: int, sections, tp_size: int, replicate: bool, fail: Fail,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tpmap.engine.errors import UnevenSplitError
 from tpmap.engine.pieces import Pieces
 
 # The closed sets of strings a plan holds.
@@ -103,6 +104,19 @@ class Plan:
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
     kept_whole: tuple[tuple[str, str, int], ...] = ()  # (pattern, reason, modules matched): a partial mapping
     refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model
+    uneven: tuple[str, ...] = ()  # modules / tensors split unevenly (engine.pieces): ranks hold different counts
+    even_world_sizes: tuple[int, ...] = ()  # when uneven: the world sizes up to 16 that split every layout evenly
+
+    def refuse_uneven(self, path: str) -> None:
+        """Raise UnevenSplitError when this plan splits unevenly: `path` (sequence parallelism, LoRA, ...) is not
+        proven on uneven splits."""
+        if self.uneven:
+            raise UnevenSplitError(
+                f"{path} is not supported at a world size that splits heads or features unevenly, and world size "
+                f"{self.tp_size} splits {self.uneven[0]}" + (f" (and {len(self.uneven) - 1} more)" if
+                                                             len(self.uneven) > 1 else "")
+                + f" unevenly; world sizes that split this model evenly: "
+                f"{', '.join(map(str, self.even_world_sizes)) or 'none up to 16'}")
 
     @property
     def params(self) -> dict[str, ParamLayout]:

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tpmap.engine import pieces as split
-from tpmap.engine.errors import ModuleKindError, UnsupportedConfigError
+from tpmap.engine.errors import ModuleKindError, UnevenSplitError, UnsupportedConfigError
 from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamLayout, Plan
 from tpmap.engine.whole_model import plan_grad_allreduce, plan_vocab_parallel, tie_errors
 from tpmap.language import compose, expr
@@ -77,7 +77,7 @@ def expression_keys(entry) -> list[tuple[tuple, Any]]:
     if isinstance(entry, Update):
         return [(("attributes", path), value) for path, value in entry.attributes.items()]
     out: list[tuple[tuple, Any]] = []
-    for key in ("heads", "groups"):
+    for key in ("heads", "query_heads", "groups"):
         if getattr(entry, key, None) is not None:
             out.append(((key,), getattr(entry, key)))
     sections = getattr(entry, "sections", None)
@@ -85,7 +85,8 @@ def expression_keys(entry) -> list[tuple[tuple, Any]]:
         out.append((("sections",), sections))
     if isinstance(sections, list):
         for k, sec in enumerate(sections):
-            out += [(("sections", k, f), v) for f, v in (("size", sec.size), ("heads", sec.heads)) if v is not None]
+            out += [(("sections", k, f), v) for f, v in (("size", sec.size), ("heads", sec.heads),
+                                                         ("query_heads", sec.query_heads)) if v is not None]
     return out
 
 
@@ -143,9 +144,11 @@ class EntryContext:
             f"the {type(self.config).__name__} has no attribute {name!r}{did_you_mean(name, keys)}"
         )
 
+    uneven = False  # the plan splits something unevenly: per_rank follows the uneven rule (check_per_rank)
+
     def eval(self, text, *key, tp_rank: int = 0) -> int:
         try:
-            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank)
+            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank, self.uneven)
         except TpmapError as e:
             raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
@@ -219,6 +222,9 @@ class Planner:
         self.inputs: list[InputSlice] = []
         self.seen_attr: dict[tuple[str, str], int] = {}
         self.applied: list[int] = []  # entries whose `when` matches this config
+        self.uneven: list[str] = []  # tensors split by the uneven rule (engine.pieces), in planning order
+        self.head_sections: list[tuple[int, int | None, int]] = []  # (heads, query_heads, entry) of every layout
+        self.layouts: list[tuple[list, bool]] = []  # (sections, replicate) of every layout, for even_world_sizes
 
     # -- driving ---------------------------------------------------------------------------------
     def fail(self, error: TpmapError) -> None:
@@ -230,7 +236,16 @@ class Planner:
     def plan_entries(self) -> None:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
                  Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
-        for i, entry in enumerate(self.loaded.mapping.entries):
+        entries = list(enumerate(self.loaded.mapping.entries))  # Updates last: they read whether a split is uneven
+        for i, entry in [e for e in entries if not isinstance(e[1], Update)] + [(None, None)] + [
+                e for e in entries if isinstance(e[1], Update)]:
+            if entry is None:  # every layout planned: may this mapping split unevenly, are the heads paired?
+                try:
+                    check_uneven_proven(self)
+                    check_head_sections(self)
+                except TpmapError as e:
+                    self.fail(e)
+                continue
             config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
             if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
                 continue
@@ -253,6 +268,7 @@ class Planner:
                         break  # the other modules of this entry would repeat the same problems
             except TpmapError as e:
                 self.fail(e)
+        self.applied.sort()
 
     def match(self, entry, ctx: EntryContext) -> list[str]:
         """The base model's modules (relative names) that the entry's pattern and classes match; none raises."""
@@ -292,8 +308,11 @@ class Planner:
                             "split by one entry only", "module", rule="double-match")
         self.owner[name] = ctx.index
 
-    def layout(self, entry, dim_size: int, ctx: EntryContext, name: str, replicate: bool):
-        """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says."""
+    def layout(self, entry, dim_size: int, ctx: EntryContext, name: str, replicate: bool, uneven_ok: str = ""):
+        """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says.
+
+        A dimension the world size does not divide is split unevenly (`engine.pieces`) only where `uneven_ok`
+        is "" (Column and Row on nn.Linear / Conv1D); elsewhere `uneven_ok` names the path, refused here."""
         def fail(message: str, key: tuple) -> TpmapError:
             return ctx.error(DivisibilityError, f"{name}: {message}", *key, rule="divisibility")
 
@@ -308,12 +327,22 @@ class Planner:
                                 f"of {groups} groups", "groups", rule="fused-sections")
             group_width = dim_size // groups
         sections = self.sections(entry, group_width, ctx)
-        if groups is not None and groups > 1:
+        grouped = groups is not None and groups > 1
+        uneven = [s for s in sections if split.uneven_section(*s, self.tp_size, replicate)]
+        if uneven and not grouped and uneven_ok:
+            raise uneven_refused(ctx, name, uneven_ok, self.tp_size, sections, replicate)
+        if grouped:
             return split.split_groups(groups, group_width, sections, self.tp_size, replicate, fail, heads_key)
-        return split.split_sections(sections, self.tp_size, replicate, fail, heads_key)
+        pieces, replicated = split.split_sections(sections, self.tp_size, replicate, fail, heads_key,
+                                                  allow_uneven=True)
+        if uneven:
+            self.uneven.append(name)
+        self.layouts.append((sections, replicate))
+        self.head_sections += [(h, q, ctx.index) for _, h, q in sections if h is not None]
+        return pieces, replicated
 
-    def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None]]:
-        """Resolve the entry's blocks to (size, heads) integers summing to dim_size."""
+    def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None, int | None]]:
+        """Resolve the entry's blocks to (size, heads, query_heads) integers, the sizes summing to dim_size."""
         listed = isinstance(entry.sections, list)
         if isinstance(entry.sections, str):  # a count given as an expression (e.g. moe_num_experts)
             n = ctx.eval(entry.sections, "sections")
@@ -321,8 +350,10 @@ class Planner:
                 raise ctx.error(DivisibilityError, f"sections evaluates to {n}; it must be at least 1", "sections",
                                 rule="fused-sections")
             specs = [(None, entry.heads)] * n
+            queries = [entry.query_heads] * n
         else:
             specs = entry.section_specs()
+            queries = entry.query_specs()
         key = ("sections",) if entry.sections is not None else ()
         rule = "fused-sections" if len(specs) > 1 else "divisibility"
         reverse = getattr(entry, "reverse", True)
@@ -332,6 +363,7 @@ class Planner:
 
         sizes = [ev(s, k, "size") for k, (s, _) in enumerate(specs)]
         heads = [ev(h, k, "heads") for k, (_, h) in enumerate(specs)]
+        query = [ev(q, k, "query_heads") for k, q in enumerate(queries)]
         unsized = [i for i, s in enumerate(sizes) if s is None]
         if unsized:
             rest = dim_size - sum(s for s in sizes if s is not None)
@@ -348,7 +380,7 @@ class Planner:
             raise ctx.error(DivisibilityError, f"sections sum to {sum(sizes)} ({' + '.join(map(str, sizes))}) but "
                             f"the weight has {dim_size} features along the split dim"
                             + ("" if reverse else " (is reverse right?)"), *key, rule=rule)
-        return list(zip(sizes, heads))
+        return list(zip(sizes, heads, query))
 
     # -- Column / Row ------------------------------------------------------------------------------
     def linear(self, entry, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -358,7 +390,9 @@ class Planner:
         for pname, _ in module.named_parameters(recurse=False):
             self.claim(f"{full}.{pname}", ctx)
         w = module.weight
-        pieces, replicated = self.layout(entry, w.shape[dim], ctx, full, replicate=column)
+        path = ("a Column of an nn.Embedding" if isinstance(module, nn.Embedding) else
+                "a Column with gather_output" if column and entry.gather_output else "")
+        pieces, replicated = self.layout(entry, w.shape[dim], ctx, full, replicate=column, uneven_ok=path)
         if replicated and column and entry.gather_output:
             raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
                             f"at world size {self.tp_size}", "gather_output", rule="divisibility")
@@ -378,8 +412,11 @@ class Planner:
     # -- Update ------------------------------------------------------------------------------------
     def update(self, entry: Update, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """Per-rank attribute values; a bad attribute is recorded and the others still checked."""
+        ctx.uneven = bool(self.uneven)
         for path, value_expr in entry.attributes.items():
             try:
+                if self.uneven:
+                    check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.loaded)
                 self.updates.append(attribute_update(module, full, path, value_expr, ctx, self.seen_attr))
             except TpmapError as e:
                 self.fail(e)
@@ -409,7 +446,8 @@ class Planner:
             if not 0 <= dim < len(shape):
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
-            pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules")
+            pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules",
+                                             uneven_ok="a Param entry (bare tensors, grouped experts)")
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
 
@@ -449,7 +487,7 @@ class Planner:
                             "attribute to read the epsilon from", "module", rule="module-kind")
         for pname in own:
             self.claim(f"{full}.{pname}", ctx)
-        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True)
+        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True, uneven_ok="a Norm entry")
         if replicated:
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
@@ -537,11 +575,97 @@ def input_slice(entry: Input, ctx: EntryContext, module: nn.Module, full: str) -
     def fail(message: str, key: tuple) -> TpmapError:
         return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
 
+    if split.uneven_section(heads, heads, None, ctx.tp_size, True):
+        raise uneven_refused(ctx, f"{full}({entry.argument})", "an Input entry", ctx.tp_size, [(heads, heads, None)],
+                             True)
     pieces, _ = split.split_sections([(heads, heads)], ctx.tp_size, True, fail, lambda k: ("heads",))
     return InputSlice(module=full, argument=entry.argument, position=params.index(entry.argument),
                       dim=entry.dim, heads=heads,
                       head_index=tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
                       flattened=entry.flattened, entry=ctx.index)
+
+
+def even_world_sizes(sections, replicate: bool, up_to: int = 16) -> list[int]:
+    """The world sizes up to `up_to` at which every section splits by the even rule."""
+    return [w for w in range(1, up_to + 1) if not any(split.uneven_section(*s, w, replicate) for s in sections)]
+
+
+def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sections, replicate: bool) -> TpmapError:
+    """The error for a dimension that only an uneven split fits, on a path not proven uneven."""
+    works = ", ".join(map(str, even_world_sizes(sections, replicate)))
+    return ctx.error(UnevenSplitError, f"{name}: world size {tp_size} splits it unevenly, and uneven splits are "
+                     f"not supported for {path} (only Column and Row on nn.Linear / Conv1D); world sizes that "
+                     f"split it evenly: {works}", "module", rule="divisibility")
+
+
+def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, loaded) -> None:
+    """At a world size that splits something unevenly, an Update value must be computed per rank: no
+    ``tp_size`` / ``tp_rank`` (``x // tp_size`` is the even share, wrong on an uneven split), and every
+    ``per_rank(n)`` names a head count the plan lays out plainly, every ``per_rank(kv, q)`` a count laid out
+    as key/value heads of q query heads (`head_counts`). Raises UnevenSplitError saying how to rewrite."""
+    where = f"{path}: {text!r}"
+    if set(expr.names(text)) & set(expr.PER_RANK_NAMES):
+        raise ctx.error(UnevenSplitError, f"{where} reads the world size, but at world size {ctx.tp_size} "
+                        f"{uneven[0]} is split unevenly (ranks hold different counts): write the value per rank "
+                        "with per_rank(heads) (e.g. num_attention_heads // tp_size -> per_rank(num_attention_heads), "
+                        "hidden_size // tp_size -> per_rank(num_attention_heads) * head_dim), or use a world size "
+                        "that divides it", "attributes", path, rule="divisibility")
+    plain, kv = head_counts(head_sections, ctx.tp_size)
+    for args in expr.per_rank_calls(text):
+        values = tuple(ctx.eval(a, "attributes", path) for a in args)
+        if len(values) == 1 and values[0] not in plain and values[0] in {k for k, _ in kv}:
+            q = next(q for k, q in kv if k == values[0])
+            raise ctx.error(UnevenSplitError, f"{where}: per_rank({args[0]}) counts {values[0]} key/value heads "
+                            f"split unevenly after {q} query heads: write per_rank({args[0]}, <query heads>) "
+                            f"(e.g. per_rank(num_key_value_heads, num_attention_heads))", "attributes", path,
+                            rule="divisibility")
+        if (len(values) == 1 and values[0] not in plain) or (len(values) == 2 and values not in kv):
+            counts = sorted(plain) + [f"{k} for {q}" for k, q in sorted(kv)]
+            raise ctx.error(UnevenSplitError, f"{where}: per_rank({', '.join(args)}) = per_rank"
+                            f"({', '.join(map(str, values))}) names no head count this plan lays out (its head "
+                            f"counts: {', '.join(map(str, counts))}); at world size {ctx.tp_size}, which splits "
+                            "unevenly, the value would not match the ranks' heads", "attributes", path,
+                            rule="divisibility")
+
+
+def head_counts(head_sections, tp_size: int) -> tuple[set[int], set[tuple[int, int]]]:
+    """(plain head counts, (kv, query) pairs) of the head sections the plan laid out."""
+    plain = {h for h, q, _ in head_sections if q is None or q == h}
+    return plain, {(h, q) for h, q, _ in head_sections if q is not None and q != h}
+
+
+def check_uneven_proven(planner: Planner) -> None:
+    """An uneven split only for a mapping proven uneven (its `uneven: true`): a model's forward may read a
+    per-rank size that no Update of an unproven mapping sets per rank."""
+    if not planner.uneven or planner.loaded.mapping.uneven:
+        return
+    even = [w for w in range(1, 17) if not any(split.uneven_section(*s, w, replicate)
+                                                for sections, replicate in planner.layouts for s in sections)]
+    raise UnevenSplitError(
+        f"{planner.uneven[0]} would be split unevenly at world size {planner.tp_size} (ranks "
+        f"holding different numbers of heads or features), and this mapping is not proven at uneven world "
+        f"sizes (no `uneven: true`); world sizes that split this model evenly: "
+        f"{', '.join(map(str, even)) or 'none up to 16'}", planner.loaded.source.value(("model_type",)), "divisibility")
+
+
+def check_head_sections(planner: Planner) -> None:
+    """At a world size that splits some heads unevenly, every head section is the same count of query heads
+    or names it (query_heads): two plain counts (12 query and 4 key/value heads without query_heads) would be
+    split independently, and a rank's query heads would not find their key/value heads."""
+    tp = planner.tp_size
+    if not any(split.uneven_section(h, h, q, tp, True) for h, q, _ in planner.head_sections):
+        return
+    plain, kv = head_counts(planner.head_sections, tp)
+    queries = plain | {q for _, q in kv}
+    if len(queries) > 1:
+        entry = next(i for h, q, i in planner.head_sections if (q is None or q == h) and h != max(queries))
+        ctx = EntryContext(planner.config, planner.loaded, entry, tp)
+        raise ctx.error(UnevenSplitError, f"at world size {tp} the heads split unevenly, and the mapping lays out "
+                        f"{len(queries)} head counts ({', '.join(map(str, sorted(queries)))}) each on its own: if "
+                        "the smaller are key/value heads, add `query_heads: <query head count>` to their entries "
+                        "(e.g. query_heads: num_attention_heads) so that each rank holds the key/value heads its "
+                        "query heads read; or use a world size that divides every head count", "heads",
+                        rule="divisibility")
 
 
 def l2_statistic_norm(entry: Norm, ctx: EntryContext, module: nn.Module, full: str,
@@ -605,7 +729,10 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                 updates=tuple(p.updates), source=loaded.source.path,
                 grad_allreduce=tuple(dict.fromkeys(grad_allreduce)), tensors=tuple(p.tensors),
                 reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
-                kept_whole=tuple(k for k in kept_whole if k[2]),
+                kept_whole=tuple(k for k in kept_whole if k[2]), uneven=tuple(p.uneven),
+                even_world_sizes=tuple(w for w in range(1, 17) if not any(
+                    split.uneven_section(*s, w, replicate) for sections, replicate in p.layouts for s in sections))
+                if p.uneven else (),
                 refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")
 
 

@@ -66,16 +66,28 @@ def full_tensor(local: torch.Tensor, shard: ParamLayout, group=None, dst: int | 
         return full if dst is None or rank == dst else None
     if shard.dim is None:
         return local.detach().clone() if dst is None or rank == dst else None
+    local = _padded(local.detach().contiguous(), shard)  # an uneven split: every rank sends the longest local
     if dst is None:
         parts = [torch.empty_like(local) for _ in range(len(shard.pieces))]
-        dist.all_gather(parts, local.detach().contiguous(), group=group)
+        dist.all_gather(parts, local, group=group)
     else:
         parts = [torch.empty_like(local) for _ in range(len(shard.pieces))] if rank == dst else None
-        dist.gather(local.detach().contiguous(), parts,
-                    dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
+        dist.gather(local, parts, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
         if rank != dst:
             return None
     return assemble(parts, shard)
+
+
+def _padded(local: torch.Tensor, shard: ParamLayout) -> torch.Tensor:
+    """`local` zero-padded along the split dim to the longest rank's local length (collectives move equal
+    shapes); itself where every rank holds as many (even splits, padded vocabularies)."""
+    longest = max(shard.local_shape(r)[shard.dim] for r in range(len(shard.pieces)))
+    short = longest - local.shape[shard.dim]
+    if not short:
+        return local
+    shape = list(local.shape)
+    shape[shard.dim] = short
+    return torch.cat([local, local.new_zeros(shape)], dim=shard.dim)
 
 
 def assemble(parts: list[torch.Tensor], shard: ParamLayout) -> torch.Tensor:
@@ -312,7 +324,8 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
 
     * `grad_allreduce` parameters (replicated, but each rank saw only its shard of the activations);
     * pieces of replicated KV heads: each holder saw only its own query heads, so the holders' grads
-      are summed (scattered into a full-size buffer, all-reduced, sliced back).
+      are summed (added into a full-size buffer, all-reduced, sliced back): every copy of a head, on
+      several ranks or twice on one (uneven splits), then holds the unsharded gradient of that head.
     """
     for name in plan.grad_allreduce:
         _on_gradient(model, name, lambda g: all_reduced(g, group))
@@ -352,6 +365,6 @@ def all_reduced(grad: torch.Tensor, group) -> torch.Tensor:
 def sum_over_holders(grad: torch.Tensor, shard: ParamLayout, index: torch.Tensor, group) -> torch.Tensor:
     full = grad.new_zeros(shard.full_shape)
     index = index.to(grad.device)  # the model may have moved to another device after apply
-    full.index_copy_(shard.dim, index, grad)
+    full.index_add_(shard.dim, index, grad)  # a head held twice on this rank (uneven KV heads): both terms
     all_reduce_(full, group)
     return full.index_select(shard.dim, index)

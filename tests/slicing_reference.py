@@ -16,11 +16,18 @@ The rules, for element i of a split dimension of D features at world size ws:
   ranks as above (sub-rank r % m);
 * vocabulary: ceil(V / ws) rows per rank, rank r holds rows [r * ceil(V / ws), ...) that exist; every
   rank's local tensor is padded with zero rows to ceil(V / ws).
+* uneven (a plain dim or H heads that ws does not divide, H > ws): item i (a feature, or a head) belongs to
+  the rank r whose block holds it, the first D % ws ranks holding one item more than the others;
+* key/value heads of Q query heads (query_heads; query head j reads KV head j // (Q / H)): rank r holds
+  the KV heads its own query heads (the rules above, on Q) read, each m / g times, m the number of its
+  query heads reading it and g the gcd of those counts.
 
-A rank's local tensor holds its elements in ascending order of their full index (then the padding).
+A rank's local tensor holds its elements in ascending order of their full index (then the padding); a KV
+head held several times is its block of features repeated.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,31 +38,58 @@ class Layout:
     """How one split dimension of `size` features is laid out (the sections of one group)."""
 
     size: int
-    sections: tuple[tuple[int, int | None], ...] = ()  # (size, heads) of each section; () = one plain section
+    sections: tuple[tuple, ...] = ()  # (size, heads[, query heads]) of each section; () = one plain section
     groups: int | None = None
     vocab: bool = False
 
 
-def _in_sections(j: int, sections, unit: int, m: int) -> set[int]:
-    """The sub-ranks (of m) holding feature j of one unit (a whole dim, or a group) laid out by `sections`."""
-    sections = sections or ((unit, None),)
-    start = 0
-    for size, heads in sections:  # noqa: B007 (heads of the section found, read after the loop)
-        if j < start + size:
-            break
-        start += size
-    else:
-        raise AssertionError(f"feature {j} lies beyond the sections {sections}")
-    k = j - start
-    if heads is None:
-        assert size % m == 0, (size, m)
-        return {k // (size // m)}
-    head = k // (size // heads)
+def _block_owner(i: int, n: int, m: int) -> int:
+    """The rank (of m) whose block holds item i of n, the first n % m ranks holding one item more."""
+    small, extra = divmod(n, m)
+    return i // (small + 1) if i < extra * (small + 1) else extra + (i - extra * (small + 1)) // small
+
+
+def _head_owners(head: int, heads: int, m: int) -> set[int]:
     if heads % m == 0:
         return {head // (heads // m)}
-    assert m % heads == 0, (heads, m)
-    per_head = m // heads  # the block of ranks that replicates this head
-    return set(range(head * per_head, (head + 1) * per_head))
+    if m % heads == 0:
+        per_head = m // heads  # the block of ranks that replicates this head
+        return set(range(head * per_head, (head + 1) * per_head))
+    assert heads > m, (heads, m)
+    return {_block_owner(head, heads, m)}
+
+
+def _kv_copies(head: int, heads: int, query: int, m: int, rank: int) -> int:
+    """How many times `rank` holds KV head `head` of `heads`, read by `query` query heads."""
+    group = query // heads
+    mine = [j for j in range(query) if rank in _head_owners(j, query, m)]
+    reads = {h: sum(1 for j in mine if j // group == h) for h in {j // group for j in mine}}
+    g = 0
+    for count in reads.values():
+        g = math.gcd(g, count)
+    return reads.get(head, 0) // g if g else 0
+
+
+def _section_of(j: int, sections, unit: int) -> tuple[int, tuple]:
+    """(start, section) of the section holding feature j."""
+    start = 0
+    for section in sections or ((unit, None),):
+        if j < start + section[0]:
+            return start, section
+        start += section[0]
+    raise AssertionError(f"feature {j} lies beyond the sections {sections}")
+
+
+def _in_sections(j: int, sections, unit: int, m: int) -> set[int]:
+    """The sub-ranks (of m) holding feature j of one unit (a whole dim, or a group) laid out by `sections`."""
+    start, (size, heads, *query) = _section_of(j, sections, unit)
+    k = j - start
+    if heads is None:
+        return {k // (size // m)} if size % m == 0 else {_block_owner(k, size, m)}
+    head = k // (size // heads)
+    if query and query[0] is not None and query[0] != heads:
+        return {r for r in range(m) if _kv_copies(head, heads, query[0], m, r)}
+    return _head_owners(head, heads, m)
 
 
 def owners(layout: Layout, ws: int, i: int) -> set[int]:
@@ -75,8 +109,22 @@ def owners(layout: Layout, ws: int, i: int) -> set[int]:
 
 
 def held(layout: Layout, ws: int, rank: int) -> list[int]:
-    """The full indices rank `rank` holds, in local order."""
-    return [i for i in range(layout.size) if rank in owners(layout, ws, i)]
+    """The full indices rank `rank` holds, in local order (a KV head held c times: its block c times)."""
+    ones = [i for i in range(layout.size) if rank in owners(layout, ws, i)]
+    if layout.vocab or (layout.groups or 1) > 1 or not any(len(s) > 2 and s[2] is not None for s in layout.sections):
+        return ones
+    out, at = [], 0
+    for size, heads, query in layout.sections:
+        mine = [i for i in ones if at <= i < at + size]
+        if query is None or query == heads:
+            out += mine
+        else:
+            width = size // heads
+            for head in range(heads):
+                block = [i for i in mine if (i - at) // width == head]
+                out += block * (_kv_copies(head, heads, query, ws, rank) if block else 0)
+        at += size
+    return out
 
 
 def local_length(layout: Layout, ws: int, rank: int) -> int:
@@ -122,15 +170,17 @@ class Split:
         return int(torch.Size(shape).numel())
 
 
-def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None], ...]:
-    """The (size, heads) of an entry's sections within one unit of `unit` features, from the entry's own
+def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None, int | None], ...]:
+    """The (size, heads, query heads) of an entry's sections within one unit of `unit` features, from the entry's own
     fields: sized sections as stated, unsized ones share the rest in proportion to their heads (1 each)."""
     if isinstance(entry.sections, str):  # a count given as an expression
         specs = [(None, entry.heads)] * evaluate(entry.sections)
     else:
         specs = entry.section_specs()
+    queries = [entry.query_heads] * len(specs) if isinstance(entry.sections, str) else entry.query_specs()
     sizes = [None if s is None else evaluate(s) for s, _ in specs]
     heads = [None if h is None else evaluate(h) for _, h in specs]
+    query = [None if q is None else evaluate(q) for q in queries]
     unsized = [k for k, s in enumerate(sizes) if s is None]
     if unsized:
         rest = unit - sum(s for s in sizes if s is not None)
@@ -138,7 +188,7 @@ def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None], ...]:
         for k in unsized:
             sizes[k] = rest // weight * (heads[k] or 1)
     assert sum(sizes) == unit, (entry, sizes, unit)
-    return tuple(zip(sizes, heads))
+    return tuple(zip(sizes, heads, query))
 
 
 def _layout(entry, size: int, evaluate) -> Layout:

@@ -43,7 +43,8 @@ HOSTILE = {
     "non-string-key": ("? [a, b]\n: 1\n", "must be a plain string"),
     "bad-timestamp": ("model_type: 2001-13-45 10:00:00\n", "cannot read the value"),
     "negative-update": (edited(
-        "llama", "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads)",
+        "llama", "num_key_value_groups: per_rank(num_attention_heads) // per_rank(num_key_value_heads, "
+                 "num_attention_heads)",
         "num_key_value_groups: 0 - 5", every=True), None),  # schema-valid: caught at plan time, see below
 }
 

@@ -40,19 +40,26 @@ def test_all_errors_are_value_errors():
 
 def test_world_size_that_does_not_divide_the_heads():
     model = verify.build_model("gpt2", 0, "GPT2LMHeadModel")
-    with pytest.raises(DivisibilityError) as e:
+    with pytest.raises(DivisibilityError) as e:  # more ranks than heads
+        tpmap.plan(model, 13)
+    msg = str(e.value)
+    assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 13" in msg and "transformer.h.0.attn.c_attn" in msg
+    with pytest.raises(DivisibilityError) as e:  # 12 heads at 5: an uneven split, and gpt2 is not proven uneven
         tpmap.plan(model, 5)
     msg = str(e.value)
-    assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 5" in msg and "transformer.h.0.attn.c_attn" in msg
+    assert "gpt2.yaml:" in msg and "transformer.h.0.attn.c_attn would be split unevenly at world size 5" in msg
+    assert "world sizes that split this model evenly: 1, 2, 3, 4, 6, 12" in msg, msg
 
 
 @pytest.mark.full  # 3 ranks
 def test_world_size_that_does_not_divide_the_heads_on_real_ranks(ranks):
-    """llama's kv2 config at world size 3: 2 KV heads and 3 ranks, neither divides the other."""
-    result = ranks(3).run(rank_cases.apply_error, "llama", "LlamaForCausalLM", 3)
+    """llama's kv2 config at world size 3 (2 KV heads and 3 ranks, neither divides the other) with a mapping whose
+    k/v entries do not name their query heads (the shipped one does, and runs it unevenly)."""
+    text = edited("llama", "    query_heads: num_attention_heads\n", "", every=True)
+    result = ranks(3).run(rank_cases.apply_error, "llama", "LlamaForCausalLM", 3, text)
     for r in result:
-        assert r["error"] == "DivisibilityError" and "2 heads" in r["message"] and "world size 3" in r["message"]
-        assert "llama.yaml:" in r["message"] and r["untouched"]
+        assert r["error"] == "DivisibilityError" and "2 heads cannot be split over world size 3" in r["message"], r
+        assert r["untouched"]
 
 
 def test_unknown_key_points_at_the_line():
@@ -184,8 +191,8 @@ def test_a_partial_mapping_warns_once_on_rank_0_naming_what_stays_whole(ranks):
     assert all(r["messages"] == [] for r in rank1)
 
 
-def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_that_work():
-    """intermediate_size 190 at world size 4 must not silently cover 188 rows."""
+def test_a_non_head_dim_the_world_size_does_not_divide_is_split_unevenly_and_whole():
+    """intermediate_size 190 at world size 4 must not silently cover 188 rows: 48, 48, 47, 47 rows."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -194,10 +201,8 @@ def test_a_non_head_dim_the_world_size_does_not_divide_lists_the_world_sizes_tha
     spec = source.for_model_type("llama").mapping.verify[0]
     with torch.device("meta"):
         model = LlamaForCausalLM(AutoConfig.for_model("llama", **{**spec.config, "intermediate_size": 190}))
-    with pytest.raises(tpmap.DivisibilityError) as info:
-        tpmap.plan(model, 4)
-    assert "190 features cannot be split over world size 4; world sizes that divide 190: 1, 2, 5, 10, 19, 38" \
-        in str(info.value), str(info.value)
+    up = tpmap.plan(model, 4).params["model.layers.0.mlp.up_proj.weight"]
+    assert up.pieces == (((0, 48),), ((48, 48),), ((96, 47),), ((143, 47),))
 
 
 def test_apply_on_a_meta_device_model_says_to_load_the_weights_first(ranks):

@@ -186,8 +186,8 @@ def test_the_wire_carries_tensors_out_of_band():
 def test_a_world_size_the_mapping_cannot_serve_is_refused_before_any_worker_starts(checkpoint):
     before = multiprocessing.active_children()
     start = time.monotonic()
-    with pytest.raises(tpmap.DivisibilityError, match="12"):  # 12 query heads over 5 ranks
-        tpmap.parallelize(checkpoint[0], 5, device="cpu")
+    with pytest.raises(tpmap.DivisibilityError, match="12"):  # 12 query heads over 13 ranks
+        tpmap.parallelize(checkpoint[0], 13, device="cpu")
     assert multiprocessing.active_children() == before and time.monotonic() - start < 30
     with pytest.raises(TypeError, match="loss_parallel"):
         tpmap.parallelize(checkpoint[0], 2, device="cpu", loss_parallel=True)

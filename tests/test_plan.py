@@ -88,8 +88,11 @@ def test_plan_cli_prints_table(capsys):
     assert cli.main(["plan", "llama", "-n", "4"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.k_proj.weight" in out and "r3:8:8" in out
-    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8
-    assert "12 heads cannot be split over world size 8" in capsys.readouterr().err
+    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8: uneven
+    err = capsys.readouterr().err  # and gpt2 is not proven uneven
+    assert "transformer.h.0.attn.c_attn would be split unevenly at world size 8" in err and "uneven: true" in err, err
+    assert cli.main(["plan", "gpt2", "-n", "13", "--default-config", "--rank", "0"]) == 1  # fewer heads than ranks
+    assert "12 heads cannot be split over world size 13" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "t5", "gpt_neox", "phi3"])

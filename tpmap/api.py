@@ -67,6 +67,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     refuse_meta_tensors(model, place.tp_size)
     prepared = prepare(model, loaded, place, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
                        check_inputs=check_inputs)
+    refuse_uneven_quantized(model, prepared.plan)
     check_quantization_blocks(model, loaded, prepared.plan)
     check_quantized_slicing(model, prepared.plan)
     if place.tp_size == 1:
@@ -81,6 +82,14 @@ def refuse_meta_tensors(model: nn.Module, tp_size: int) -> None:
         raise MetaDeviceError(f"{type(model).__name__} has {len(meta)} parameters on the meta device (e.g. {meta[0]}): "
                               "they hold no values to slice. Load the weights first (from_pretrained, or "
                               "to_empty() + load_state_dict), or use tpmap.from_pretrained to load each rank's slices")
+
+
+def refuse_uneven_quantized(model: nn.Module, plan: Plan) -> None:
+    """Quantized tensors (torchao's subclasses) are not proven on uneven splits: refused, naming the first."""
+    for ps in plan.params.values():
+        tensor = quant_blocks.tensor_of(model, ps.name)
+        if ps.dim is not None and hasattr(tensor, "__tensor_flatten__"):
+            plan.refuse_uneven(f"a quantized {type(tensor).__name__} ({ps.name})")
 
 
 def check_quantization_blocks(model: nn.Module, loaded: MappingFile, plan: Plan) -> None:

@@ -114,11 +114,11 @@ def test_json_format():
     assert data["files"] == ["tests/lint/cases/world_size.yaml", "mappings/gpt2.yaml"]
     first = data["diagnostics"][0]
     assert first == {
-        "path": "tests/lint/cases/world_size.yaml", "line": 12, "col": 12, "severity": "error",
+        "path": "tests/lint/cases/world_size.yaml", "line": 5, "col": 13, "severity": "error",
         "rule": "divisibility", "message": first["message"],
     }
-    assert first["message"].startswith("world size 8: entry 0 (Column 'h.*.attn.c_attn')")
-    assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 3
+    assert first["message"].startswith("world size 8: transformer.h.0.attn.c_attn would be split unevenly")
+    assert [d["rule"] for d in data["diagnostics"]] == ["divisibility"] * 4  # and the 3 Updates that read tp_size
     status, out = regen.run_lint("--format", "json", "mappings/gpt2.yaml", "mappings/llama.yaml")
     files = ["mappings/gpt2.yaml", "mappings/llama.yaml"]
     assert status == 0 and json.loads(out) == {"files": files, "diagnostics": []}
@@ -132,7 +132,7 @@ def test_github_format():
     assert lines[0] == (
         "::error file=tests/lint/cases/typo_key.yaml,line=10,col=5,title=tpmap lint [unknown-key]::"
         "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, when_layer, "
-        "transformers, classes, sections, heads, groups, reverse, combined_qkv, gather_output, copy_input"
+        "transformers, classes, sections, heads, query_heads, groups, reverse, combined_qkv, gather_output, copy_input"
     )
     # the message's own ':' and ',' stay as they are in the data part; properties are escaped
     assert lines[1].startswith("::error file=tests/lint/cases/yaml_syntax.yaml,line=35,col=11,")

@@ -60,5 +60,5 @@ def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
     bad = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "Failed" in bad.stdout
-    assert ("mappings/llama.yaml:13:12: error: entry 1 (Column 'layers.*.self_attn.k_proj'): the LlamaConfig has "
+    assert ("mappings/llama.yaml:15:12: error: entry 1 (Column 'layers.*.self_attn.k_proj'): the LlamaConfig has "
             "no attribute 'num_kv_heads' (did you mean num_key_value_heads?) [config-attribute]") in bad.stdout

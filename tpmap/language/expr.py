@@ -2,7 +2,7 @@
 
 Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
 
-    expr := INT | NAME | NAME.NAME... | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr )
+    expr := INT | NAME | NAME.NAME... | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr [, expr] )
 
 * NAME is a config attribute (``num_key_value_heads``, ``n_embd``; aliases from the config's
   ``attribute_map`` work; a name the config lacks is read from the one sub-config that has it, e.g.
@@ -10,16 +10,24 @@ Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
   A dotted name reads an attribute of a sub-config by its path (``vision_config.image_size``).
 * ``a // b`` must divide exactly; otherwise evaluation fails with a `DivisibilityError` that names
   both numbers. A silently floored head count is the classic wrong-output bug, so there is none.
-* ``per_rank(n)`` is how many of ``n`` heads one rank holds under tpmap's head rule: ``n // tp_size``
-  when ``tp_size`` divides ``n``, else 1 when ``n`` divides ``tp_size`` (each head is replicated on
-  ``tp_size // n`` ranks, as vLLM does for KV heads), else an error.
+* ``per_rank(n)`` is how many of ``n`` heads *this* rank (``tp_rank``) holds under tpmap's head rule
+  (`rank_heads`): ``n // tp_size`` when ``tp_size`` divides ``n``; 1 when ``n`` divides ``tp_size``
+  (each head is replicated on ``tp_size // n`` ranks, as vLLM does for KV heads); else, with more
+  heads than ranks, the balanced uneven split: ``n // tp_size``, plus one on the first
+  ``n % tp_size`` ranks (9 heads at world size 2: 5 and 4).
+* ``per_rank(kv, q)``: how many key/value heads this rank holds for its share of ``q`` query heads
+  (``kv`` divides ``q``; query head j uses key/value head ``j // (q / kv)``), counting a head held
+  twice (for two runs of query heads) twice; see `rank_heads`.
 
-Example: ``per_rank(num_attention_heads) // per_rank(num_key_value_heads)`` is the number of query
-heads per KV head on one rank (Llama's ``num_key_value_groups``), also when KV heads are replicated.
+Example: ``per_rank(num_attention_heads) // per_rank(num_key_value_heads, num_attention_heads)`` is
+the number of query heads per local KV head on this rank (Llama's ``num_key_value_groups``), also
+when KV heads are replicated or the split is uneven. The older ``per_rank(num_key_value_heads)``
+gives the same at a world size where every head count splits evenly.
 """
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Callable
 
 from tpmap.language.errors import DivisibilityError, TpmapError
@@ -68,7 +76,7 @@ def _check(node: ast.AST, text: str) -> None:
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id == "per_rank"
-        and len(node.args) == 1
+        and len(node.args) in (1, 2)
         and not node.keywords
     ):
         _check(node.args[0], text)
@@ -117,20 +125,86 @@ def names(text: str | int) -> set[str]:
     return out
 
 
-def per_rank(n: int, tp_size: int, what: str = "heads") -> int:
-    """Heads held by one rank: split when tp_size divides n, one replicated head when n divides tp_size."""
-    if n % tp_size == 0:
-        return n // tp_size
-    if tp_size % n == 0:
-        return 1
+def per_rank_calls(text: str | int) -> list[tuple[str, ...]]:
+    """The argument texts of every per_rank(...) call in an expression: 'per_rank(a) // per_rank(b, a)' ->
+    [('a',), ('b', 'a')]."""
+    return [tuple(ast.unparse(a) for a in node.args) for node in ast.walk(parse(text))
+            if isinstance(node, ast.Call)]
+
+
+def even(n: int, tp_size: int) -> bool:
+    """Whether n heads follow the even rule at tp_size (split exactly, or each replicated on tp_size // n ranks)."""
+    return n % tp_size == 0 or tp_size % n == 0
+
+
+def rank_heads(n: int, tp_size: int, rank: int, query: int | None = None) -> list[int] | None:
+    """The heads of `n` that `rank` holds, in local order (repeats included), or None where no rule applies.
+
+    Plain heads (``query`` None or n): ``tp_size | n``: the block [r*n/tp, (r+1)*n/tp); ``n | tp_size``: head
+    ``r // (tp_size / n)`` (vLLM's replication); ``n > tp_size``: the balanced block, ``n // tp_size`` heads
+    plus one on the first ``n % tp_size`` ranks (9 at 2: [0..4], [5..8]); fewer heads than ranks that do
+    not divide them: None (a rank would hold no head).
+
+    Key/value heads for ``query`` query heads (``n | query``; query head j reads KV head ``j // (query/n)``):
+    the rank's query heads Q_r (the plain rule on ``query``) read runs of equal KV heads; with g the gcd of
+    the run lengths, every run of length m contributes its head m/g times, so that the local query heads
+    are exactly ``repeat_interleave(local_kv, g)``: HF's ``repeat_kv`` with ``num_key_value_groups = g``.
+    E.g. 9 query and 3 KV heads at 2 ranks: Q_0 = 0..4 reads KV [0,0,0,1,1] -> g 1, heads [0,0,0,1,1];
+    Q_1 = 5..8 reads [1,2,2,2] -> heads [1,2,2,2]. When the query heads split evenly this equals the
+    plain rule on n (whole blocks, or vLLM's replication).
+    """
+    if query is None or query == n:
+        if n % tp_size == 0:
+            per = n // tp_size
+            return list(range(rank * per, (rank + 1) * per))
+        if tp_size % n == 0:
+            return [rank // (tp_size // n)]
+        if n < tp_size:
+            return None
+        base, extra = divmod(n, tp_size)
+        start = rank * base + min(rank, extra)
+        return list(range(start, start + base + (rank < extra)))
+    if n <= 0 or query % n:
+        return None
+    queries = rank_heads(query, tp_size, rank)
+    if queries is None:
+        return None
+    group = query // n
+    runs: list[list[int]] = []  # [kv head, run length] in query order
+    for j in queries:
+        if runs and runs[-1][0] == j // group:
+            runs[-1][1] += 1
+        else:
+            runs.append([j // group, 1])
+    g = math.gcd(*(m for _, m in runs))
+    return [h for h, m in runs for _ in range(m // g)]
+
+
+def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: int | None = None,
+             uneven: bool = False) -> int:
+    """Heads held by `rank` (`rank_heads`; KV heads of `query` query heads when given). Unless `uneven` (the
+    plan splits something unevenly, so the caller checks that n is a head count it lays out), counts that
+    only the uneven rule splits are refused, as before uneven splits existed."""
+    if not uneven and not (n > 0 and even(n, tp_size) and (query is None or even(query, tp_size))):
+        raise DivisibilityError(
+            f"{n} {what} cannot be spread over world size {tp_size}: neither divides the other. "
+            f"Use a world size that divides {n} or is a multiple of it.")
+    heads = rank_heads(n, tp_size, rank, query) if n > 0 else None
+    if heads is not None:
+        return len(heads)
+    if query is not None and (query <= 0 or n <= 0 or query % n):
+        raise DivisibilityError(f"per_rank({n}, {query}): {n} key/value heads must divide the {query} query heads")
+    fewer = query if query is not None and query < tp_size else n
     raise DivisibilityError(
-        f"{n} {what} cannot be spread over world size {tp_size}: neither divides the other. "
-        f"Use a world size that divides {n} or is a multiple of it."
+        f"{fewer} {what} cannot be spread over world size {tp_size}: fewer heads than ranks, and they do not "
+        f"divide the world size (a rank would hold none). Use a world size of at most {fewer} or a multiple of it."
     )
 
 
-def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0) -> int:
-    """Evaluate with `lookup(name)` for config attributes (it raises for unknown names)."""
+def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0,
+             uneven: bool = False) -> int:
+    """Evaluate with `lookup(name)` for config attributes (it raises for unknown names); `uneven`: per_rank
+    follows the uneven rule too (see `per_rank`)."""
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant):
@@ -146,7 +220,8 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
                 raise ExpressionError(f"config attribute {name!r} is {value!r}, not an integer")
             return value
         if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
-            return per_rank(ev(node.args[0]), tp_size)
+            query = ev(node.args[1]) if len(node.args) == 2 else None
+            return per_rank(ev(node.args[0]), tp_size, rank=tp_rank, query=query, uneven=uneven)
         assert isinstance(node, ast.BinOp), ast.dump(node)
         a, b = ev(node.left), ev(node.right)
         if isinstance(node.op, ast.Add):

@@ -251,14 +251,22 @@ class Section(_Strict):
         description="attention heads in this section (expression). When given, the section is split on head "
         "boundaries; with fewer heads than ranks each head is replicated on tp_size/heads ranks (MQA/GQA K/V).",
     )
+    query_heads: Expr | None = Field(
+        None, description="key/value heads: the query heads (expression) that share these heads, query head j "
+        "reading head j // (query_heads / heads) (GQA). Needed at a world size that splits the query heads "
+        "unevenly: each rank then holds every key/value head its query heads read (docs/mapping-schema.md, "
+        "uneven world sizes)",
+    )
 
     _v_size = field_validator("size")(lambda v: v if v is None else _check_expr(v))
-    _v_heads = field_validator("heads")(lambda v: v if v is None else _check_expr(v))
+    _v_heads = field_validator("heads", "query_heads")(lambda v: v if v is None else _check_expr(v))
 
     @model_validator(mode="after")
     def _one_of(self):
         if self.size is None and self.heads is None:
             raise ValueError("a section needs 'size' or 'heads' (or both)")
+        if self.query_heads is not None and self.heads is None:
+            raise ValueError("'query_heads' says whose key/value heads 'heads' are: give 'heads' too")
         return self
 
 
@@ -275,6 +283,12 @@ class _Layout(_Strict):
         description="attention heads along the split dimension (per section when sections are equal); splits "
         "on head boundaries and checks the world size divides the heads",
     )
+    query_heads: Expr | None = Field(
+        None, description="key/value heads: the query heads (expression) that share these heads, query head j "
+        "reading head j // (query_heads / heads) (GQA). Needed at a world size that splits the query heads "
+        "unevenly: each rank then holds every key/value head its query heads read (docs/mapping-schema.md, "
+        "uneven world sizes)",
+    )
     groups: Expr | None = Field(
         None,
         description="the split dimension is this many equal groups, each laid out by 'sections' (Falcon's "
@@ -283,7 +297,7 @@ class _Layout(_Strict):
         "that share it",
     )
 
-    _v_heads = field_validator("heads", "groups")(lambda v: v if v is None else _check_expr(v))
+    _v_heads = field_validator("heads", "groups", "query_heads")(lambda v: v if v is None else _check_expr(v))
 
     def _check_layout(self, fused: bool = False):
         if isinstance(self.sections, str):
@@ -293,12 +307,15 @@ class _Layout(_Strict):
             raise ValueError("'sections' needs at least 2 blocks; leave it out for an unfused weight")
         if fused and self.sections is not None and n != 3:
             raise ValueError(f"combined_qkv means 3 sections [q | k | v], but 'sections' gives {n}")
-        if isinstance(self.sections, list) and self.heads is not None:
-            raise ValueError("give 'heads' per section when the sections are listed, not on the entry")
+        if isinstance(self.sections, list) and (self.heads is not None or self.query_heads is not None):
+            raise ValueError("give 'heads' (and 'query_heads') per section when the sections are listed, not on "
+                             "the entry")
+        if self.query_heads is not None and self.heads is None and not isinstance(self.sections, list):
+            raise ValueError("'query_heads' says whose key/value heads 'heads' are: give 'heads' too")
 
     def section_specs(self) -> list[tuple[Any, Any]]:
         """The blocks along the split dimension (of one group) as (size, heads) expressions, None where
-        unstated.
+        unstated (`query_specs` gives each block's query_heads).
 
         An unfused weight is one block. Blocks without a size share what the sized blocks leave, in
         proportion to their heads (1 each when no heads are given): equal [q | k | v] thirds, or GQA
@@ -308,6 +325,12 @@ class _Layout(_Strict):
             return [(s.size, s.heads) for s in self.sections]
         n = 3 if getattr(self, "combined_qkv", False) and self.sections is None else (self.sections or 1)
         return [(None, self.heads)] * n
+
+    def query_specs(self) -> list[Any]:
+        """Each block's query_heads expression (None where unstated), in the order of `section_specs`."""
+        if isinstance(self.sections, list):
+            return [s.query_heads for s in self.sections]
+        return [self.query_heads] * len(self.section_specs())
 
 
 class _Sharded(_Layout, _Entry):
@@ -723,6 +746,12 @@ class Mapping(_Strict):
         "own checks accept it (a block reads a per-token tensor in a layout tpmap does not split, such as Mllama's "
         "[B, 1, T, 1] row mask): apply then refuses it with this reason before changing anything, instead of "
         "failing at the first forward. The composing file's own field decides for a composed model"
+    )
+    uneven: StrictBool = Field(
+        False, description="the mapping is proven at world sizes that split its heads or features unevenly (rank r "
+        "holding n // tp_size or one more; docs/mapping-schema.md, uneven world sizes): its Updates are per rank "
+        "and a test proves it at such a world size. Without it an uneven world size is refused, naming the world "
+        "sizes that split the model evenly"
     )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"

@@ -1,0 +1,223 @@
+"""Uneven world sizes: heads and features split as evenly as possible (engine.pieces, expr.rank_heads).
+
+A 9-query-head / 3-KV-head Llama (SmolLM2's shape) at world sizes 2 and 4 and a 12-head BERT at 5 are exact
+against the unsharded model in the same run: forward, every gradient in fp32 and fp64 per shard (against
+tests/slicing_reference.py's slices, which decide element by element), greedy generate, and the
+from_pretrained / save_pretrained round trip bit for bit. Plans at world sizes that split evenly are those of
+main before uneven splits existed (tests/plan_digests.json). Paths not proven uneven are refused."""
+from __future__ import annotations
+
+import json
+
+import plan_digests
+import pytest
+import rank_cases
+import slicing_reference
+import torch
+import transformers
+from helpers import edited, mapping_text, write_mapping
+
+import tpmap
+from tpmap import verify
+from tpmap.errors import UnevenSplitError
+from tpmap.language import expr
+from tpmap.language.source import load_text
+
+LLAMA_9_3 = ("  - name: smollm-9q3kv           # SmolLM2's 9 query / 3 KV heads: uneven at 2 and 4\n"
+             "    config: {hidden_size: 72, num_attention_heads: 9, num_key_value_heads: 3, intermediate_size: 99,\n"
+             "             num_hidden_layers: 2, vocab_size: 250, max_position_embeddings: 64}\n"
+             "    models: [LlamaForCausalLM]\n"
+             "    world_sizes: [1, 2, 3, 4]\n")
+BERT_12_AT_5 = ("  - name: mha12-ws5\n"
+                "    config: {hidden_size: 96, num_attention_heads: 12, intermediate_size: 192, num_hidden_layers: 2,\n"
+                "             vocab_size: 250, max_position_embeddings: 64}\n"
+                "    models: [BertForMaskedLM]\n"
+                "    world_sizes: [5]\n")
+GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
+
+
+def _with_case(tmp_path, model_type: str, case: str) -> tuple[str, int]:
+    """The shipped mapping plus one verify config (its index) written to tmp_path."""
+    path = write_mapping(tmp_path, model_type, mapping_text(model_type).rstrip("\n") + "\n" + case)
+    return str(path), len(verify.resolve(str(path)).mapping.verify) - 1
+
+
+# -- the rule -------------------------------------------------------------------------------------------
+def test_rank_heads_balanced_and_kv_heads_follow_their_query_heads():
+    assert [expr.rank_heads(9, 2, r) for r in range(2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [expr.rank_heads(3, 2, r, query=9) for r in range(2)] == [[0, 0, 0, 1, 1], [1, 2, 2, 2]]
+    assert [expr.rank_heads(3, 4, r, query=9) for r in range(4)] == [[0], [1], [1, 2], [2]]
+    assert [expr.rank_heads(2, 4, r, query=12) for r in range(4)] == [[0], [0], [1], [1]]  # vLLM's rule
+    assert expr.rank_heads(12, 13, 0) is None  # a rank would hold no head
+    lookup = {"h": 9, "kv": 3}.__getitem__
+    groups = [expr.evaluate("per_rank(h) // per_rank(kv, h)", lookup, 4, r, uneven=True) for r in range(4)]
+    assert groups == [3, 2, 1, 2]  # each rank's query heads = repeat_kv(its KV heads, groups)
+    with pytest.raises(tpmap.DivisibilityError, match="9 heads cannot be spread over world size 4"):
+        expr.evaluate("per_rank(h)", lookup, 4, 0)  # a plan split evenly: the even rule only
+
+
+@pytest.mark.parametrize("heads,query,ws", [(9, None, 2), (9, None, 4), (3, 9, 2), (3, 9, 4), (12, None, 5),
+                                            (2, 12, 5), (4, 12, 8), (6, 6, 4), (None, None, 3)])
+def test_pieces_equal_the_independent_reference(heads, query, ws):
+    """engine.pieces against tests/slicing_reference.py, which decides owners element by element."""
+    from tpmap.engine import pieces
+    size = 8 * (heads or 13)
+    got, _ = pieces.split_sections([(size, heads, query)], ws, True, lambda m, k: AssertionError(m),
+                                   lambda k: (), allow_uneven=True)
+    layout = slicing_reference.Layout(size, ((size, heads, query),))
+    for r in range(ws):
+        assert [i for s, n in got[r] for i in range(s, s + n)] == slicing_reference.held(layout, ws, r), r
+
+
+# -- divisible plans are main's ----------------------------------------------------------------------------
+def _stored_cases(every: bool):
+    from conftest import REPRESENTATIVE
+    stored = json.loads(plan_digests.STORED.read_text())
+    return [(key, path, index, cls, stored[key]) for key, path, index, cls in plan_digests.cases()
+            if every or key.split("/")[0] in REPRESENTATIVE]
+
+
+def _planned(digest: str) -> bool:
+    """A digest of an even plan (16 hex digits), not an error's class name nor an uneven plan's "uneven:..."."""
+    return len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)
+
+
+def _same_as_main(cases) -> None:
+    """Every plan main made is made alike; a world size main refused is refused still, or planned uneven."""
+    changed, accepted = [], []
+    for key, path, index, cls, want in cases:
+        got = plan_digests.plans(path, index, cls)
+        changed += [(key, ws) for ws, digest in want.items() if _planned(digest) and got[int(ws)] != digest]
+        accepted += [(key, ws) for ws, digest in want.items() if not _planned(digest) and _planned(got[int(ws)])]
+    assert not changed, changed
+    assert not accepted, ("accepted at an even split though main refused it", accepted)
+
+
+def test_divisible_plans_of_representative_families_are_mains():
+    _same_as_main(_stored_cases(False))
+
+
+@pytest.mark.full  # every shipped mapping's verify configs, world sizes 2..8: ~1.5 minutes of planning
+def test_divisible_plans_of_every_shipped_mapping_are_mains():
+    _same_as_main(_stored_cases(True))
+
+
+# -- refusals -----------------------------------------------------------------------------------------------
+def _meta_llama(**config):
+    base = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=99,
+                num_hidden_layers=1, vocab_size=250)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config}))
+
+
+def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size():
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(verify.tiny_config("gpt2"))
+    with pytest.raises(UnevenSplitError, match=r"not proven at uneven world sizes \(no `uneven: true`\); world "
+                       "sizes that split this model evenly: 1, 2, 3, 4, 6, 12"):
+        tpmap.plan(model, 5)
+
+
+def test_an_update_that_reads_tp_size_is_refused_at_an_uneven_world_size():
+    text = edited("bert", "num_attention_heads: per_rank(num_attention_heads)", "num_attention_heads: "
+                  "num_attention_heads // tp_size")
+    with torch.device("meta"):
+        model = transformers.BertModel(verify.tiny_config("bert"))
+    tpmap.plan(model, 4, mapping=load_text(text, "<bert>"))  # 12 heads at 4: even, accepted
+    with pytest.raises(UnevenSplitError, match=r"reads the world size.*per_rank\(num_attention"):
+        tpmap.plan(model, 5, mapping=load_text(text, "<bert>"))
+
+
+def test_a_one_argument_per_rank_of_kv_heads_is_refused_and_says_how_to_write_it():
+    text = edited("llama", "per_rank(num_key_value_heads, num_attention_heads)", "per_rank(num_key_value_heads)")
+    with pytest.raises(UnevenSplitError, match=r"per_rank\(num_key_value_heads, <query heads>\)"):
+        tpmap.plan(_meta_llama(), 2, mapping=load_text(text, "<llama>"))
+
+
+def test_kv_heads_without_query_heads_are_refused_at_an_uneven_world_size():
+    text = edited("llama", "    query_heads: num_attention_heads\n", "", every=True)
+    model = _meta_llama(num_attention_heads=12, num_key_value_heads=4, hidden_size=96)
+    with pytest.raises(UnevenSplitError, match="add `query_heads"):
+        tpmap.plan(model, 3, mapping=load_text(text, "<llama>"))  # 4 KV heads at 3 would split on their own
+
+
+@pytest.mark.parametrize("model_type,config,path,works", [
+    ("olmo2", dict(num_attention_heads=9, num_key_value_heads=9, intermediate_size=96), "a Norm entry", "1, 3, 9"),
+    ("mixtral", dict(num_attention_heads=8, num_key_value_heads=8, intermediate_size=99, num_local_experts=4),
+     "a Param entry", "1, 3, 9, 11"),
+])
+def test_unproven_paths_are_refused_with_the_world_sizes_that_work(model_type, config, path, works):
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=72, num_hidden_layers=1, vocab_size=250,
+                                               eos_token_id=2, **config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnevenSplitError, match="world size 2 splits it unevenly") as e:
+        tpmap.plan(model, 2)
+    assert f"not supported for {path}" in str(e.value) and f"split it evenly: {works}" in str(e.value), str(e.value)
+
+
+def test_the_uneven_plan_of_smollm2s_shape():
+    plan = tpmap.plan(_meta_llama(), 2)
+    k = plan.params["model.layers.0.self_attn.k_proj.weight"]
+    assert k.replicated_heads and [len(k.indices(r)) for r in range(2)] == [40, 32]  # 5 and 4 copies of 8
+    update = next(u for u in plan.updates if u.attribute == "num_key_value_groups")
+    assert update.values == (1, 1) and "model.layers.0.mlp.up_proj" in plan.uneven
+
+
+# -- on real ranks ---------------------------------------------------------------------------------------
+def _assert_exact(ref: str, index: int, cls: str, ws: int, per_rank: list[dict], generate: bool) -> None:
+    case = verify.Case(ref=ref, model_type=ref, verify_index=index, config_name="", class_name=cls, world_size=ws)
+    result = verify.judge(case, [r["forward"] for r in per_rank])
+    assert result.passed, result.error
+    for rank, r in enumerate(per_rank):
+        assert r["forward"]["params_local"] == r["share"]["expected_local"] < r["share"]["full"], (rank, r)
+        for key, rtol in GRAD_RTOL.items():
+            g = r[key]
+            assert g["checked"] == g["params"] and g["sharded"] == g["expected_sharded"], (key, g)
+            assert g["worst_rel"] <= rtol, (rank, key, g["worst_rel"], g["worst_name"])
+            assert g["loss_diff"] <= 1e-5 * max(1.0, abs(g["loss"])), (key, g)
+        if generate:
+            assert r["generate"]["new_tokens"] >= 20 and r["generate"]["ranks_agree"], r["generate"]
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_llama_with_9_query_and_3_kv_heads_is_exact(ranks, tmp_path, ws):
+    ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
+    per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, "LlamaForCausalLM", True, True)
+    _assert_exact(ref, index, "LlamaForCausalLM", ws, per_rank, generate=True)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_llama_with_9_query_and_3_kv_heads_round_trips_checkpoints_bit_for_bit(ranks, tmp_path, ws):
+    import uneven_cases
+    ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
+    per_rank = ranks(ws).run(uneven_cases.round_trip, ref, index, "LlamaForCausalLM", str(tmp_path / "ckpt"))
+    for r in per_rank:
+        assert r["uneven"] and r["loaded_wrong"] == [], r
+    assert per_rank[0]["tensors"] and per_rank[0]["saved_keys_differ"] == [] and per_rank[0]["saved_wrong"] == []
+
+
+@pytest.mark.full  # 5 ranks
+def test_bert_with_12_heads_is_exact_at_world_size_5(ranks, tmp_path):
+    ref, index = _with_case(tmp_path, "bert", BERT_12_AT_5)
+    per_rank = ranks(5).run(rank_cases.prove_case, ref, index, "BertForMaskedLM", True, False)
+    _assert_exact(ref, index, "BertForMaskedLM", 5, per_rank, generate=False)
+
+
+@pytest.mark.full  # torch.compile (aot_eager): each rank traces its own local shapes
+def test_compiled_uneven_llama_equals_eager_and_unsharded(ranks, tmp_path):
+    import compile_cases
+    path = write_mapping(tmp_path, "llama", mapping_text("llama").replace("verify:\n", "verify:\n" + LLAMA_9_3, 1))
+    for r in ranks(2).run(compile_cases.compiled_logits, str(path), "LlamaForCausalLM", timeout=600):
+        assert r["vs_eager"] <= 1e-6 * r["scale"] and r["vs_unsharded"] <= 1e-5 * r["scale"], r
+    for r in ranks(2).run(compile_cases.compiled_training_step, str(path), "LlamaForCausalLM", timeout=600):
+        assert r["checked"] > 10 and r["worst_rel"] <= 1e-4 and r["loss_diff"] <= 1e-5, r
+
+
+def test_paths_not_proven_uneven_are_refused_on_real_ranks(ranks, tmp_path):
+    ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
+    import uneven_cases
+    for r in ranks(2).run(uneven_cases.refused_paths, ref, index, "LlamaForCausalLM", str(tmp_path / "ckpt")):
+        for path, message in r.items():
+            assert message.startswith("UnevenSplitError: ") and "world size 2 splits" in message, (path, message)
+            assert "world sizes that split this model evenly: 1, 3, 9" in message, (path, message)
