@@ -101,9 +101,10 @@ def check_quantization_blocks(model: nn.Module, loaded: MappingFile, plan: Plan)
 
     def works(tp_size: int) -> bool:
         try:
-            return not quant_blocks.misaligned(model, planner.build_plan(model, loaded, tp_size))
+            other = planner.build_plan(model, loaded, tp_size)
         except TpmapError:  # (heads that the world size does not divide, ...)
             return False
+        return not other.uneven and not quant_blocks.misaligned(model, other)  # quantized: never uneven (above)
 
     first = bad[0]
     fine = [tp_size for tp_size in range(1, 17) if works(tp_size)]

@@ -237,10 +237,13 @@ def _finish(opened: _Opened, request: _Request, missing: set[str], tp_rank: int)
 
 
 def _plan_or_none(model, loaded, tp_size: int):
+    """The plan at tp_size for a quantized checkpoint's "world sizes that work": None where the mapping cannot
+    serve tp_size, or would split unevenly (quantized checkpoints refuse uneven plans: `_quantization`)."""
     try:
-        return planner.build_plan(model, loaded, tp_size)
+        plan = planner.build_plan(model, loaded, tp_size)
     except TpmapError:  # (heads that the world size does not divide, ...)
         return None
+    return None if plan.uneven else plan
 
 
 def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
