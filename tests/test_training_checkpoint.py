@@ -131,6 +131,26 @@ def test_moe_and_lora_resume_at_another_shape_within_the_summation_order(ranks, 
     assert param <= (MOE_RESHARD_PARAM_ATOL if moe else RESHARD_PARAM_ATOL), (loss, param)
 
 
+# SmolLM2's 9 query / 3 KV heads: tp 2 splits the query heads 5 / 4 and both ranks hold KV head 1 (its gradient
+# summed over the two copies), tp 3 splits them evenly; the checkpoint stores each tensor whole-shaped by its layout.
+LLAMA_9_3 = {**LLAMA, "overrides": {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                    "intermediate_size": 99}}
+
+
+def test_uneven_same_shape_resume_is_bit_for_bit(ranks, tmp_path):
+    results = _same_shape(ranks, tmp_path, {**LLAMA_9_3, "dtype": "float64", "stop": 4, "save_at": 2})
+    assert all(r["uneven"] for r in results)
+
+
+@pytest.mark.parametrize("before,after", [
+    (2, 3), pytest.param(3, 2, marks=pytest.mark.full), pytest.param(2, 4, marks=pytest.mark.full)])
+def test_uneven_resume_at_another_shape_within_the_summation_order(ranks, tmp_path, before, after):
+    """Saved at an uneven tp size, resumed at an even one (and back): the same bounds as even resharding."""
+    loss, param = _reshard(ranks, tmp_path, (before, 1), (after, 1), LLAMA_9_3)
+    print(f"reshard uneven llama 9q/3kv tp {before} -> {after}: loss rel {loss:.3g}, param abs {param:.3g}")
+    assert loss <= RESHARD_LOSS_RTOL and param <= RESHARD_PARAM_ATOL, (loss, param)
+
+
 def test_bad_input_raises_on_every_rank_and_changes_nothing(ranks, tmp_path):
     changed = edited_copy(tmp_path, "llama_changed", "llama", "name: gqa-kv6", "name: gqa-kv6-renamed", once=True)
     results = ranks(2).run(cases.bad_input_case, str(tmp_path / "ckpt"), str(changed), timeout=300)

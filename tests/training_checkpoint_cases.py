@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 import tpmap
 import tpmap.training
+from tpmap.execute import PLAN_ATTR
 from tpmap import verify
 
 BATCH, SEQ = 4, 12
@@ -65,7 +66,7 @@ def _setup(spec: dict, seed: int):
         mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
         tp_group, dp_group, dp_rank = mesh["tp"], mesh["dp"], mesh["dp"].get_local_rank()
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    full = build(spec["model_type"], spec["class_name"], dtype, seed, spec.get("dropout", 0.0))
+    full = build(spec["model_type"], spec["class_name"], dtype, seed, spec.get("dropout", 0.0), spec.get("overrides"))
     model = tpmap.apply(full, group=tp_group, mapping=spec.get("mapping"))
     if spec.get("lora"):
         from peft import LoraConfig
@@ -116,7 +117,8 @@ def run(spec: dict, folder: str, resume: bool) -> dict:
              for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])
              for k, v in opt.state[p].items()}
     gathered = _adapters(model, folder, resume, dp_rank) if spec.get("lora") else tpmap.full_state_dict(model)
-    return {"losses": losses, "local": local, "optim": optim, "lr": sched.get_last_lr(),
+    plan = getattr(tpmap.training.layout.base_model(model), PLAN_ATTR)
+    return {"losses": losses, "local": local, "optim": optim, "lr": sched.get_last_lr(), "uneven": bool(plan.uneven),
             "full": gathered if dist.get_rank() == 0 else None, "rank": dist.get_rank()}
 
 
@@ -144,7 +146,7 @@ def same_shape_case(spec: dict, folder: str) -> dict:
             "optim_same": a["optim"].keys() == b["optim"].keys()
             and all(torch.equal(a["optim"][k], b["optim"][k]) if isinstance(a["optim"][k], torch.Tensor)
                     else a["optim"][k] == b["optim"][k] for k in a["optim"]),
-            "optim_entries": len(a["optim"]), "lr_same": a["lr"] == b["lr"]}
+            "optim_entries": len(a["optim"]), "lr_same": a["lr"] == b["lr"], "uneven": a["uneven"]}
 
 
 def resume_case(spec: dict, folder: str, resume: bool) -> dict:
