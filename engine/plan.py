@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tpmap.engine.errors import UnevenSplitError
+from tpmap.language import expr
 from tpmap.engine.pieces import Pieces
 
 # The closed sets of strings a plan holds.
@@ -106,6 +107,31 @@ class Plan:
     refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model
     uneven: tuple[str, ...] = ()  # modules / tensors split unevenly (engine.pieces): ranks hold different counts
     even_world_sizes: tuple[int, ...] = ()  # when uneven: the world sizes up to 16 that split every layout evenly
+    heads: tuple[int, ...] = ()  # the (query) head counts the layouts split, largest first (for `rank_heads`)
+
+    def rank_heads(self) -> tuple[int, ...]:
+        """Query heads per rank of the largest head count (() when no layout splits heads): 9 at 2 -> (5, 4)."""
+        if not self.heads:
+            return ()
+        counts = [expr.rank_heads(self.heads[0], self.tp_size, r) for r in range(self.tp_size)]
+        return tuple(len(c) if c is not None else 0 for c in counts)
+
+    def rank_shares(self, full_params: dict[str, int]) -> tuple[float, ...]:
+        """Per rank: the elements it holds / the model's, from {parameter name: numel} of the full model (every
+        parameter once; split ones by their pieces, the others whole)."""
+        layouts = self.params
+        total = sum(full_params.values())
+        out = []
+        for r in range(self.tp_size):
+            held = 0
+            for name, numel in full_params.items():
+                p = layouts.get(name)
+                if p is None or p.dim is None:
+                    held += numel
+                else:
+                    held += numel // p.full_shape[p.dim] * sum(n for _, n in p.pieces[r])
+            out.append(held / total if total else 1.0)
+        return tuple(out)
 
     def refuse_uneven(self, path: str) -> None:
         """Raise UnevenSplitError when this plan splits unevenly: `path` (sequence parallelism, LoRA, ...) is not
@@ -150,7 +176,7 @@ class Plan:
                 )
                 if p.local_size:
                     pieces += f" (padded to {p.local_size})"
-                rows.append((p.name, style, _shape(p.full_shape), str(p.dim), _shape(p.local_shape(0)), pieces))
+                rows.append((p.name, style, _shape(p.full_shape), str(p.dim), _local(p, ranks), pieces))
         for u in self.updates:
             vals = sorted(set(u.values))
             rows.append((f"{u.module}.{u.attribute}", "update", str(u.full_value), "-",
@@ -162,8 +188,7 @@ class Plan:
                              "rank 0; zeros elsewhere"))
                 continue
             pieces = " | ".join(f"r{r}:" + ",".join(f"{s}:{n}" for s, n in t.pieces[r]) for r in ranks)
-            rows.append((t.name, f"param {t.holder}", _shape(t.full_shape), str(t.dim), _shape(t.local_shape(0)),
-                         pieces))
+            rows.append((t.name, f"param {t.holder}", _shape(t.full_shape), str(t.dim), _local(t, ranks), pieces))
         for name in self.reduces:
             rows.append((name, "reduce", "", "-", "", "output all-reduced"))
         for name in self.enters:
@@ -177,6 +202,16 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def _local(p: ParamLayout, ranks) -> str:
+    """The local shape on `ranks`; along the split dim "a|b|c" where ranks hold different lengths (uneven)."""
+    lengths = [p.local_shape(r)[p.dim] for r in ranks]
+    if len(set(lengths)) == 1:
+        return _shape(p.local_shape(ranks[0]))
+    shape = [str(n) for n in p.full_shape]
+    shape[p.dim] = "|".join(map(str, lengths))
+    return "(" + ", ".join(shape) + ")"
 
 
 def _shape(s) -> str:

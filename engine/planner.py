@@ -733,6 +733,7 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                 even_world_sizes=tuple(w for w in range(1, 17) if not any(
                     split.uneven_section(*s, w, replicate) for sections, replicate in p.layouts for s in sections))
                 if p.uneven else (),
+                heads=tuple(sorted({h for h, q, _ in p.head_sections if q is None or q == h}, reverse=True)),
                 refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")
 
 

@@ -95,6 +95,17 @@ def test_plan_cli_prints_table(capsys):
     assert "12 heads cannot be split over world size 13" in capsys.readouterr().err
 
 
+def test_plan_cli_prints_each_ranks_heads_and_share(capsys):
+    """bert's first config: 12 heads of 8 at 5 ranks are 3, 3, 2, 2, 2 (max/mean 3 / 2.4); the local shapes differ."""
+    assert cli.main(["plan", "bert", "-n", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "# heads (of 12) per rank: 3, 3, 2, 2, 2 (max/mean 1.25, uneven)" in out, out[:600]
+    assert "# share of " in out and "(24|24|16|16|16, 96)" in out, out[:1200]
+    assert cli.main(["plan", "llama", "-n", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "# heads (of 12) per rank: 3, 3, 3, 3 (max/mean 1.00)" in out, out[:600]
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "t5", "gpt_neox", "phi3"])
 def test_default_configs_plan_at_declared_world_sizes(model_type):
     """The real-size default config of each model type plans at every world size its file declares."""

@@ -194,6 +194,8 @@ def test_llama_with_9_query_and_3_kv_heads_round_trips_checkpoints_bit_for_bit(r
     per_rank = ranks(ws).run(uneven_cases.round_trip, ref, index, "LlamaForCausalLM", str(tmp_path / "ckpt"))
     for r in per_rank:
         assert r["uneven"] and r["loaded_wrong"] == [], r
+        assert abs(r["planned_numel"] - r["local_numel"]) < 0.5, r  # `tpmap plan`'s share: what the rank holds
+    assert len({r["local_numel"] for r in per_rank}) > 1  # uneven: the ranks hold different amounts
     assert per_rank[0]["tensors"] and per_rank[0]["saved_keys_differ"] == [] and per_rank[0]["saved_wrong"] == []
 
 

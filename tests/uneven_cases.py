@@ -39,7 +39,10 @@ def round_trip(ref: str, verify_index: int, class_name: str, folder: str) -> dic
                                 else full_params[name].detach())]
     tpmap.save_pretrained(model, saved)
     dist.barrier()
-    out = {"loaded_wrong": wrong, "uneven": list(model.tpmap_plan.uneven)}
+    full_numel = {name: p.numel() for name, p in full.named_parameters()}
+    out = {"loaded_wrong": wrong, "uneven": list(model.tpmap_plan.uneven),  # what `tpmap plan` reports, and the truth:
+           "planned_numel": model.tpmap_plan.rank_shares(full_numel)[rank] * sum(full_numel.values()),
+           "local_numel": sum(p.numel() for p in model.parameters())}
     if rank == 0:
         want, got = _tensors(source), _tensors(saved)
         out["saved_keys_differ"] = sorted(set(want) ^ set(got))

@@ -67,8 +67,26 @@ def _plan(args) -> int:
     plan = api.plan(model, args.n, mapping=loaded)
     which = "default" if args.default_config else f"embedded '{spec.name}'"
     print(f"# {model_type} ({cls.__name__}, {which} config), world size {args.n}, mapping {plan.source}")
+    print(_balance(plan, model))
     print(plan.table(args.rank))
     return 0
+
+
+def _balance(plan, model) -> str:
+    """Each rank's query heads and share of the parameters, with max/mean (1.00: balanced)."""
+    def line(what: str, values, fmt) -> str:
+        mean = sum(values) / len(values)
+        return (f"# {what} per rank: {', '.join(fmt(v) for v in values)} (max/mean "
+                f"{max(values) / mean if mean else 1.0:.2f}{', uneven' if len(set(values)) > 1 else ''})")
+
+    full = {}
+    for name, p in model.named_parameters():  # tied parameters once, under their first name
+        full[name] = p.numel()
+    lines = []
+    if plan.heads:
+        lines.append(line(f"heads (of {plan.heads[0]})", plan.rank_heads(), str))
+    lines.append(line(f"share of {sum(full.values()):,} parameters", plan.rank_shares(full), lambda v: f"{v:.1%}"))
+    return "\n".join(lines)
 
 
 def _models(args) -> int:
