@@ -143,10 +143,13 @@ def test_uneven_same_shape_resume_is_bit_for_bit(ranks, tmp_path):
 
 
 @pytest.mark.parametrize("before,after", [
-    (2, 3), pytest.param(3, 2, marks=pytest.mark.full), pytest.param(2, 4, marks=pytest.mark.full)])
+    ((2, 1), (3, 1)), pytest.param((3, 1), (2, 1), marks=pytest.mark.full),
+    pytest.param((2, 1), (4, 1), marks=pytest.mark.full), pytest.param((4, 2), (3, 1), marks=pytest.mark.full)],
+    ids=["tp2-to-tp3", "tp3-to-tp2", "tp2-to-tp4", "dp2xtp2-to-tp3"])
 def test_uneven_resume_at_another_shape_within_the_summation_order(ranks, tmp_path, before, after):
-    """Saved at an uneven tp size, resumed at an even one (and back): the same bounds as even resharding."""
-    loss, param = _reshard(ranks, tmp_path, (before, 1), (after, 1), LLAMA_9_3)
+    """Saved at an uneven tp size (under DDP too), resumed at an even one (and back): the bounds of even
+    resharding."""
+    loss, param = _reshard(ranks, tmp_path, before, after, LLAMA_9_3)
     print(f"reshard uneven llama 9q/3kv tp {before} -> {after}: loss rel {loss:.3g}, param abs {param:.3g}")
     assert loss <= RESHARD_LOSS_RTOL and param <= RESHARD_PARAM_ATOL, (loss, param)
 
