@@ -120,10 +120,13 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
         for name, p in sharded_peft.named_parameters():
             if LORA not in name and ".modules_to_save." not in name:
                 continue
-            # a fresh adapter: whole tensors equal on every rank
-            gathered = [torch.empty_like(p) for _ in range(ws)]
-            dist.all_gather(gathered, p.detach().contiguous())
-            if tuple(p.shape) == tuple(full_named[name].shape):
+            # a fresh adapter: whole tensors equal on every rank (whole on every rank: at an uneven world size a
+            # split tensor's local shapes differ from rank to rank, and cannot be gathered as they are)
+            whole = torch.tensor([int(tuple(p.shape) == tuple(full_named[name].shape))])
+            dist.all_reduce(whole, op=dist.ReduceOp.MIN)
+            if whole.item():
+                gathered = [torch.empty_like(p) for _ in range(ws)]
+                dist.all_gather(gathered, p.detach().contiguous())
                 report["fresh_whole_differs"] += int(any(not torch.equal(g, p) for g in gathered))
             want = reference(name, full_named[name])
             report["split"] += int(tuple(want.shape) != tuple(full_named[name].shape))
@@ -181,7 +184,9 @@ def lora_case(ref: str, verify_index: int, class_name: str, targets: list[str], 
     with torch.no_grad():
         for name, p in sharded_peft.named_parameters():
             if ".second." in name or name.endswith(".second"):  # (an embedding LoRA: a bare Parameter)
-                p.copy_(reference(name, full_named[name]))
+                want = reference(name, full_named[name])
+                assert want.shape == p.shape, (name, tuple(want.shape), tuple(p.shape))
+                p.copy_(want)
     for model in (full_peft, sharded_peft):
         model.set_adapter("second")
     want = forward(full_peft)

@@ -75,6 +75,33 @@ def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, modules_
 
     index = next(i for i, v in enumerate(verify.resolve(ref).mapping.verify) if ws in v.world_sizes and cls in v.models)
     per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, cls, targets, str(tmp_path), dtype, modules_to_save)
+    _assert_lora_exact(per_rank, ref, cls, dtype)
+
+
+# SmolLM2's 9 query / 3 KV heads: uneven at 2 and 4 (at 2, rank 0 holds KV heads [0, 0, 0, 1, 1] and rank 1
+# [1, 2, 2, 2]: B's rows of k/v repeat with them, and their gradients are summed over every copy).
+LLAMA_9_3 = ("  - name: smollm-9q3kv\n"
+             "    config: {hidden_size: 72, num_attention_heads: 9, num_key_value_heads: 3, intermediate_size: 99,\n"
+             "             num_hidden_layers: 2, vocab_size: 250, max_position_embeddings: 64}\n"
+             "    models: [LlamaForCausalLM]\n"
+             "    world_sizes: [1, 2, 3, 4]\n")
+
+
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.full)])
+def test_lora_at_an_uneven_world_size_is_exact_against_unsharded_peft(ranks, ws, tmp_path):
+    import lora_cases
+    from helpers import mapping_text, write_mapping
+
+    from tpmap import verify
+
+    ref = str(write_mapping(tmp_path, "llama", mapping_text("llama").rstrip("\n") + "\n" + LLAMA_9_3))
+    index = len(verify.resolve(ref).mapping.verify) - 1
+    per_rank = ranks(ws).run(lora_cases.lora_case, ref, index, "LlamaForCausalLM", LLAMA_LIKE, str(tmp_path / "run"),
+                             torch.float64, None)
+    _assert_lora_exact(per_rank, "llama", "LlamaForCausalLM", torch.float64)
+
+
+def _assert_lora_exact(per_rank: list[dict], ref: str, cls: str, dtype) -> None:
     for rank, r in enumerate(per_rank):
         assert r["adapters"] == r["trainable"] > 0 and r["split"] > 0, (rank, r)
         assert r["fresh_whole_differs"] == 0, ("a whole adapter tensor differs across ranks at init", rank, r)

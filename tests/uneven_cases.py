@@ -62,21 +62,15 @@ def _error(call) -> str:
 
 
 def refused_paths(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
-    """What an uneven plan refuses on real ranks: LoRA on the sharded model, a torchao-quantized model,
+    """What an uneven plan refuses on real ranks: a torchao-quantized model,
     quantization_config= on load, sequence parallelism (each the error message, "" when accepted)."""
     import torchao_cases
-    from peft import LoraConfig
-
-    import tpmap.peft
 
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     mapping = verify.resolve(ref)
     out = {"sequence_parallel": _error(lambda: tpmap.apply(verify.build_model(ref, verify_index, class_name), ws,
                                                             mapping=mapping, sequence_parallel=True))}
-    sharded = tpmap.apply(verify.build_model(ref, verify_index, class_name), ws, mapping=mapping)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    out["lora"] = _error(lambda: tpmap.peft.get_peft_model(sharded, lora))
     quantized = torchao_cases.quantize(verify.build_model(ref, verify_index, class_name), "int8_weight_only")
     out["torchao"] = _error(lambda: tpmap.apply(quantized, ws, mapping=mapping))
     if dist.get_rank() == 0:

@@ -121,7 +121,6 @@ def get_peft_model(model: nn.Module, config, adapter_name: str = "default", **kw
     On a model tpmap left unsharded (world size 1), plain peft.get_peft_model."""
     if not _sharded(model):
         return peft.get_peft_model(model, config, adapter_name=adapter_name, **kwargs)
-    getattr(model.get_base_model() if isinstance(model, peft.PeftModel) else model, PLAN_ATTR).refuse_uneven("LoRA")
     prepare(model)
     before = _Before(model)
     peft_model = peft.get_peft_model(model, register(config, model), adapter_name=adapter_name, **kwargs)

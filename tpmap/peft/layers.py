@@ -71,10 +71,15 @@ class ParallelLoraLinear(_LoraLinear):
         return in_features, out_features
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        with torch.random.fork_rng(devices=[]):  # PEFT's init at the local shapes, replaced below: no draw counts
+            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         if adapter_name in self.lora_variant:
             raise NotImplementedError(f"tpmap.peft: LoRA variant {type(self.lora_variant[adapter_name]).__name__} "
                                       "is not supported on sharded layers")
+        _, shard, _, _ = self._split()
+        full_out, full_in = shard.full_shape[::-1] if getattr(self.get_base_layer(), "reverse", False) \
+            else shard.full_shape
+        _draw_from_the_default_stream_as_unsharded(self, adapter_name, config.init_lora_weights, full_in, full_out)
         self._init_like_unsharded(adapter_name, config.init_lora_weights)
         self._hook_partial_gradients(adapter_name)
 
@@ -149,6 +154,22 @@ class ParallelLoraLinear(_LoraLinear):
             term = b(a(dropped)) * self.scaling[name]
             out = term if out is None else out + term
         return out.to(dtype)
+
+
+def _draw_from_the_default_stream_as_unsharded(layer, adapter_name: str, init, full_in: int, full_out: int) -> None:
+    """Draw from the default RNG stream what PEFT's update_layer draws for the unsharded layer (A and B built at
+    full size, then reset_lora_parameters), and throw it away: every rank's default stream then stays where the
+    unsharded model's is. Draws at the local shapes would leave the ranks' streams apart wherever local shapes
+    differ (an uneven world size), and every later replicated draw (dropout on replicated activations, another
+    adapter's init) would differ from rank to rank."""
+    a, b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
+    twin_a = nn.Linear(full_in, a.out_features, bias=False)  # (PEFT builds them in the default dtype too)
+    twin_b = nn.Linear(b.in_features, full_out, bias=False)
+    layer.lora_A[adapter_name], layer.lora_B[adapter_name] = twin_a, twin_b
+    try:
+        layer.reset_lora_parameters(adapter_name, init)
+    finally:
+        layer.lora_A[adapter_name], layer.lora_B[adapter_name] = a, b
 
 
 def _draw_like_unsharded(layer, adapter_name: str, init, full_in: int, full_out: int, name: str, rank: int) -> None:
