@@ -199,6 +199,20 @@ def test_llama_with_9_query_and_3_kv_heads_round_trips_checkpoints_bit_for_bit(r
     assert per_rank[0]["tensors"] and per_rank[0]["saved_keys_differ"] == [] and per_rank[0]["saved_wrong"] == []
 
 
+@pytest.mark.parametrize("ws", [2, pytest.param(4, marks=pytest.mark.full)])
+def test_sequence_parallelism_at_an_uneven_world_size_equals_plain_tp_and_unsharded(ranks, tmp_path, ws):
+    """The sequence splits by tokens, whatever the heads: the 9q/3kv Llama with sequence_parallel=True has the
+    unsharded model's logits, plain TP's gradients, and the unsharded model's greedy tokens."""
+    import sequence_parallel_cases
+    text = mapping_text("llama").replace("verify:\n", "verify:\n" + LLAMA_9_3, 1)  # verify config 0
+    ref = str(write_mapping(tmp_path, "llama", text))
+    for r in ranks(ws).run(sequence_parallel_cases.grad_case, ref, "LlamaForCausalLM", torch.float64, 8):
+        assert r["block1_tokens"] == [8 // ws] and r["block1_tokens_tp"] == [8], r  # really split
+        assert r["logits_vs_full"] <= 1e-12 and r["grad_vs_tp"] <= 1e-12 and r["checked"] > 0, r
+    for r in ranks(ws).run(sequence_parallel_cases.generate_case, ref, "LlamaForCausalLM", 8):
+        assert r["same_as_full"] and r["same_as_tp"] and r["block1_tokens"][0] == 8 // ws, r
+
+
 @pytest.mark.full  # 5 ranks
 def test_bert_with_12_heads_is_exact_at_world_size_5(ranks, tmp_path):
     ref, index = _with_case(tmp_path, "bert", BERT_12_AT_5)

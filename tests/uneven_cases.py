@@ -63,14 +63,13 @@ def _error(call) -> str:
 
 def refused_paths(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
     """What an uneven plan refuses on real ranks: a torchao-quantized model,
-    quantization_config= on load, sequence parallelism (each the error message, "" when accepted)."""
+    quantization_config= on load (each the error message, "" when accepted)."""
     import torchao_cases
 
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     mapping = verify.resolve(ref)
-    out = {"sequence_parallel": _error(lambda: tpmap.apply(verify.build_model(ref, verify_index, class_name), ws,
-                                                            mapping=mapping, sequence_parallel=True))}
+    out = {}
     quantized = torchao_cases.quantize(verify.build_model(ref, verify_index, class_name), "int8_weight_only")
     out["torchao"] = _error(lambda: tpmap.apply(quantized, ws, mapping=mapping))
     if dist.get_rank() == 0:

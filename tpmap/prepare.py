@@ -148,12 +148,9 @@ def prepare(model: nn.Module, loaded: MappingFile, place: Place, *, loss_paralle
             sequence_parallel: bool = False, check_inputs: bool = True) -> Prepared:
     """Build the plan of `loaded` for `model` at ``place.tp_size`` and check the options against it, changing
     nothing: raises the planner's errors, `LossParallelError` (no LM head split along the vocabulary),
-    `SequenceParallelError` (a model sequence parallelism cannot run) and `UnevenSplitError` (sequence
-    parallelism at a world size that splits unevenly: not proven)."""
+    and `SequenceParallelError` (a model sequence parallelism cannot run)."""
     plan = planner.build_plan(model, loaded, place.tp_size)
     check_loss_parallel(plan, loaded, model, loss_parallel)
-    if sequence_parallel:
-        plan.refuse_uneven("sequence_parallel=True")
     sequence = plan_sequence_parallel(model, plan) if sequence_parallel else None  # may raise SequenceParallelError
     return Prepared(loaded=loaded, place=place, plan=plan, sequence=sequence, loss_parallel=loss_parallel,
                     check_inputs=check_inputs)
