@@ -87,6 +87,20 @@ def test_generate_and_forward_equal_the_unsharded_model(checkpoint, handle):
     assert 0 < handle.startup.plan_s < handle.startup.total_s
 
 
+@pytest.mark.full  # 3 more workers
+def test_an_uneven_world_size_generates_and_forwards_as_the_unsharded_model(checkpoint):
+    """12 query and 2 KV heads at 3 workers: rank 1's query heads read both KV heads (8|16|8 rows of k_proj)."""
+    _, full = checkpoint
+    from tpmap.checkpoint.load import plan_checkpoint
+
+    assert plan_checkpoint(checkpoint[0], 3).uneven  # the case really is uneven
+    with tpmap.parallelize(checkpoint[0], 3, device="cpu") as model:
+        assert torch.equal(model.generate(PROMPT, **GENERATE), full.generate(PROMPT, **GENERATE))
+        with torch.no_grad():
+            want = full(input_ids=PROMPT, attention_mask=MASK)
+        assert _relative(model(input_ids=PROMPT, attention_mask=MASK).logits, want.logits) < 1e-5
+
+
 def test_a_bad_call_raises_in_the_driver_and_the_handle_keeps_working(checkpoint, handle):
     _, full = checkpoint
     bad = [
