@@ -123,3 +123,20 @@ def test_aligned_mixtral_round_trips_checkpoints_bit_for_bit(ranks, tmp_path):
     for r in per_rank:
         assert "model.layers.0.mlp.experts.down_proj" in r["uneven"] and r["loaded_wrong"] == [], r
     assert per_rank[0]["tensors"] and per_rank[0]["saved_keys_differ"] == [] and per_rank[0]["saved_wrong"] == []
+
+
+QWEN3_MOE_I100 = ("  - name: moe-i100\n"
+                  "    config: {hidden_size: 96, num_attention_heads: 12, num_key_value_heads: 2, head_dim: 8,\n"
+                  "             moe_intermediate_size: 100, intermediate_size: 96, num_hidden_layers: 2, vocab_size: 256,\n"
+                  "             max_position_embeddings: 64, num_experts: 4, num_experts_per_tok: 2}\n"
+                  "    models: [Qwen3MoeForCausalLM]\n"
+                  "    world_sizes: [1, 2, 3]\n")
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_qwen3_moe_with_an_expert_width_of_100_is_exact(ranks, tmp_path, ws):
+    """Qwen3-MoE's experts alike (moe_intermediate_size 100); at 3 also its 2 KV heads, with per-head q/k norms."""
+    path = write_mapping(tmp_path, "qwen3_moe", mapping_text("qwen3_moe").rstrip("\n") + "\n" + QWEN3_MOE_I100)
+    ref, index = str(path), len(verify.resolve(str(path)).mapping.verify) - 1
+    per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, "Qwen3MoeForCausalLM", True, False)
+    _assert_exact(ref, index, "Qwen3MoeForCausalLM", ws, per_rank, generate=False)
