@@ -7,7 +7,8 @@ bytes" in its first forward; the engine now deals out units of 16 bytes (52/48 a
 The rule (engine.pieces.aligned) against the independent slicing reference; the plans (widths, the per-rank
 intermediate_dim, the refusals); a Mixtral with I=100 exact at world sizes 2, 3 and 4 against the unsharded model
 in the same run (fp32 forward and gradients through grouped_mm, fp64 gradients through the eager experts, which
-have no fp64 grouped kernel), and its from_pretrained / save_pretrained round trip bit for bit."""
+have no fp64 grouped kernel), and its from_pretrained / save_pretrained round trip bit for bit; a Qwen3-MoE alike;
+from_pretrained planning in the dtype it loads (bf16: units of 8) and a bf16 Mixtral through grouped_mm at 56/48."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ from test_uneven import _assert_exact
 
 import tpmap
 from tpmap import verify
+from tpmap.checkpoint.load import plan_checkpoint
 from tpmap.engine import pieces
 from tpmap.errors import DivisibilityError
 
@@ -140,3 +142,28 @@ def test_qwen3_moe_with_an_expert_width_of_100_is_exact(ranks, tmp_path, ws):
     ref, index = str(path), len(verify.resolve(str(path)).mapping.verify) - 1
     per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, "Qwen3MoeForCausalLM", True, False)
     _assert_exact(ref, index, "Qwen3MoeForCausalLM", ws, per_rank, generate=False)
+
+
+MIXTRAL_I104 = MIXTRAL_I100.replace("moe-i100", "moe-i104").replace("intermediate_size: 100", "intermediate_size: 104")
+
+
+def test_from_pretrained_plans_in_the_dtype_it_loads(tmp_path):
+    """The units follow the dtype the checkpoint is loaded in: 104 features are 26 fp32 units (52/52 at 2) but
+    13 bf16 units (56/48 at 2; 52 bf16 elements are 104 bytes, unaligned)."""
+    path = write_mapping(tmp_path, "mixtral", mapping_text("mixtral").rstrip("\n") + "\n" + MIXTRAL_I104)
+    ref, index = str(path), len(verify.resolve(str(path)).mapping.verify) - 1
+    verify.build_model(ref, index, CLASS).save_pretrained(tmp_path / "hf")
+    for dtype, widths in ((torch.float32, (52, 52)), (torch.bfloat16, (56, 48))):
+        plan = plan_checkpoint(str(tmp_path / "hf"), 2, dtype=dtype, mapping=verify.resolve(ref))
+        down = plan.params["model.layers.0.mlp.experts.down_proj"]
+        assert tuple(down.local_shape(r)[2] for r in range(2)) == widths, dtype
+
+
+def test_a_bf16_mixtral_runs_grouped_mm_at_an_aligned_uneven_split(ranks, tmp_path):
+    import aligned_experts_cases
+    path = write_mapping(tmp_path, "mixtral", mapping_text("mixtral").rstrip("\n") + "\n" + MIXTRAL_I104)
+    ref, index = str(path), len(verify.resolve(str(path)).mapping.verify) - 1
+    per_rank = ranks(2).run(aligned_experts_cases.bf16_forward, ref, index, CLASS, str(tmp_path / "hf"))
+    assert [r["width"] for r in per_rank] == [56, 48] and per_rank[0]["dtype"] == "torch.bfloat16", per_rank
+    for r in per_rank:
+        assert r["implementation"] == "grouped_mm" and r["max_diff"] <= 2e-2 * r["scale"], r
