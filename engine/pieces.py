@@ -9,6 +9,9 @@ heads (planned as *uneven*), ranks hold ``heads // tp_size`` or one more, and ke
 their ``query_heads`` follow the query heads: each rank holds every KV head its query heads read,
 repeated so that HF's ``repeat_kv`` pairs them (a head may then appear on two ranks, or twice on one).
 Plain features split unevenly the same way (``size // tp_size``, one more on the first ranks).
+A plain section may carry an alignment *unit* as a 4th item, ``(size, None, None, unit)``: it is then split in
+whole units (``size // unit`` units dealt out as above), so that every rank's width is a multiple of the unit
+(stacked experts: transformers' grouped matmul needs 16-byte-aligned strides, see `aligned`).
 Optionally the dimension is first a run of ``groups`` equal groups, each
 laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads.
 
@@ -52,20 +55,19 @@ def split_sections(sections: list[tuple], tp_size: int, replicate: bool, fail: F
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(tp_size)]
     replicated = False
     offset = 0
-    for k, (size, heads, *query) in enumerate(sections):
-        query = query[0] if query else None
+    for k, section in enumerate(sections):
+        size, heads, query, unit = parts(section)
         if heads is not None:
             held = _head_ranges(size, heads, query, tp_size, replicate, allow_uneven, fail, heads_key(k))
             replicated = replicated or sum(map(len, held)) > heads
             for r in range(tp_size):
                 per_rank[r] += [(offset + s, n) for s, n in held[r]]
         else:
-            if size % tp_size and not (allow_uneven and size >= tp_size):
-                works = [w for w in range(1, min(size, 64) + 1) if size % w == 0]
-                raise fail(f"{size} features cannot be split over world size {tp_size}; world sizes that divide "
-                           f"{size}: {', '.join(map(str, works[:8]))}", ("module",))
-            for r, (start, n) in enumerate(balanced(size, tp_size)):
-                per_rank[r].append((offset + start, n))
+            units = size // unit
+            if units % tp_size and not (allow_uneven and units >= tp_size):
+                raise fail(_unsplittable(size, unit, tp_size, allow_uneven), ("module",))
+            for r, (start, n) in enumerate(balanced(units, tp_size)):
+                per_rank[r].append((offset + start * unit, n * unit))
         offset += size
     return tuple(merge(ranges) for ranges in per_rank), replicated
 
@@ -75,6 +77,50 @@ def balanced(size: int, tp_size: int) -> list[tuple[int, int]]:
     size % tp_size ranks (10 at 4: (0, 3), (3, 3), (6, 2), (8, 2)); equal blocks when tp_size divides size."""
     base, extra = divmod(size, tp_size)
     return [(r * base + min(r, extra), base + (r < extra)) for r in range(tp_size)]
+
+
+def parts(section: tuple) -> tuple[int, int | None, int | None, int]:
+    """(size, heads, query_heads, unit) of a section given as (size, heads), (size, heads, query_heads) or
+    (size, None, None, unit); unit 1 unless given."""
+    size, heads, query, unit = tuple(section) + (None, 1)[len(section) - 2:]
+    return size, heads, query, unit
+
+
+# transformers' grouped matmul (torch._grouped_mm, the default experts implementation of stacked experts) needs
+# the strides of its operands to be multiples of 16 bytes
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def aligned(section: tuple, element_size: int) -> tuple:
+    """A plain section of a stacked-experts tensor split in units of 16 bytes (`GROUPED_MM_ALIGN_BYTES`), so that
+    every rank's width keeps the grouped matmul's strides aligned: (size, None, None, unit), e.g. 100 fp32
+    features at 2 ranks -> 52 and 48 (not 50 and 50: 200 bytes). A section with heads, or whose full width is
+    not a multiple of the unit (the unsharded model's own strides are not aligned), is returned unchanged."""
+    size, heads, query, _ = parts(section)
+    unit = max(1, GROUPED_MM_ALIGN_BYTES // max(1, element_size))
+    if heads is not None or unit == 1 or size % unit:
+        return section
+    return (size, None, None, unit)
+
+
+def uneven_at(section: tuple, tp_size: int, replicate: bool) -> bool:
+    """`uneven_section` of a section tuple, an aligned one (`aligned`) counted in its units."""
+    size, heads, query, unit = parts(section)
+    if unit > 1:
+        return (size // unit) % tp_size != 0
+    return uneven_section(size, heads, query, tp_size, replicate)
+
+
+def _unsplittable(size: int, unit: int, tp_size: int, allow_uneven: bool) -> str:
+    """Why `size` features (in units of `unit`) cannot be split over tp_size ranks, with the world sizes that can."""
+    units = size // unit
+    works = [w for w in range(1, min(units, 64) + 1) if units % w == 0 or allow_uneven]
+    if unit == 1:
+        return (f"{size} features cannot be split over world size {tp_size}; world sizes that divide {size}: "
+                f"{', '.join(map(str, works[:8]))}")
+    return (f"{size} features split in units of {unit} elements ({GROUPED_MM_ALIGN_BYTES} bytes, the alignment of "
+            f"the grouped expert matmul's strides) are {units} units, fewer than the {tp_size} ranks (a rank would "
+            f"hold none); world sizes that work: {', '.join(map(str, works[:8]))}")
 
 
 def uneven_section(size: int, heads: int | None, query: int | None, tp_size: int, replicate: bool) -> bool:

@@ -145,10 +145,12 @@ class EntryContext:
         )
 
     uneven = False  # the plan splits something unevenly: per_rank follows the uneven rule (check_per_rank)
+    features = None  # {plain feature count: what each rank holds of it} (Planner.features), for per_rank(n)
 
     def eval(self, text, *key, tp_rank: int = 0) -> int:
         try:
-            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank, self.uneven)
+            return expr.evaluate(text, self.lookup, self.tp_size, tp_rank, self.uneven,
+                                 self.features if self.uneven else None)
         except TpmapError as e:
             raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
@@ -225,6 +227,8 @@ class Planner:
         self.uneven: list[str] = []  # tensors split by the uneven rule (engine.pieces), in planning order
         self.head_sections: list[tuple[int, int | None, int]] = []  # (heads, query_heads, entry) of every layout
         self.layouts: list[tuple[list, bool]] = []  # (sections, replicate) of every layout, for even_world_sizes
+        # plain feature count -> what each rank holds of it, for per_rank(n) in Updates (None: laid out two ways)
+        self.features: dict[int, tuple[int, ...] | None] = {}
 
     # -- driving ---------------------------------------------------------------------------------
     def fail(self, error: TpmapError) -> None:
@@ -308,11 +312,14 @@ class Planner:
                             "split by one entry only", "module", rule="double-match")
         self.owner[name] = ctx.index
 
-    def layout(self, entry, dim_size: int, ctx: EntryContext, name: str, replicate: bool, uneven_ok: str = ""):
+    def layout(self, entry, dim_size: int, ctx: EntryContext, name: str, replicate: bool, uneven_ok: str = "",
+               element_size: int = 0):
         """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says.
 
         A dimension the world size does not divide is split unevenly (`engine.pieces`) only where `uneven_ok`
-        is "" (Column and Row on nn.Linear / Conv1D); elsewhere `uneven_ok` names the path, refused here."""
+        is "" (Column and Row on nn.Linear / Conv1D); elsewhere `uneven_ok` names the path, refused here.
+        With `element_size` (stacked experts, `stacked_element_size`) plain sections are split in 16-byte units
+        (`engine.pieces.aligned`), unevenly where the units do not divide: every rank's width stays aligned."""
         def fail(message: str, key: tuple) -> TpmapError:
             return ctx.error(DivisibilityError, f"{name}: {message}", *key, rule="divisibility")
 
@@ -327,9 +334,11 @@ class Planner:
                                 f"of {groups} groups", "groups", rule="fused-sections")
             group_width = dim_size // groups
         sections = self.sections(entry, group_width, ctx)
+        if element_size:
+            sections = [split.aligned(s, element_size) for s in sections]
         grouped = groups is not None and groups > 1
-        uneven = [s for s in sections if split.uneven_section(*s, self.tp_size, replicate)]
-        if uneven and not grouped and uneven_ok:
+        uneven = [s for s in sections if split.uneven_at(s, self.tp_size, replicate)]
+        if any(split.parts(s)[3] == 1 for s in uneven) and not grouped and uneven_ok:
             raise uneven_refused(ctx, name, uneven_ok, self.tp_size, sections, replicate)
         if grouped:
             return split.split_groups(groups, group_width, sections, self.tp_size, replicate, fail, heads_key)
@@ -338,7 +347,8 @@ class Planner:
         if uneven:
             self.uneven.append(name)
         self.layouts.append((sections, replicate))
-        self.head_sections += [(h, q, ctx.index) for _, h, q in sections if h is not None]
+        self.head_sections += [(h, q, ctx.index) for _, h, q, _ in map(split.parts, sections) if h is not None]
+        self.features.update(feature_counts(sections, pieces, self.features))
         return pieces, replicated
 
     def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None, int | None]]:
@@ -413,6 +423,7 @@ class Planner:
     def update(self, entry: Update, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """Per-rank attribute values; a bad attribute is recorded and the others still checked."""
         ctx.uneven = bool(self.uneven)
+        ctx.features = {n: held for n, held in self.features.items() if held is not None}
         for path, value_expr in entry.attributes.items():
             try:
                 if self.uneven:
@@ -447,7 +458,8 @@ class Planner:
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules",
-                                             uneven_ok="a Param entry (bare tensors, grouped experts)")
+                                             uneven_ok="a Param entry (bare tensors, grouped experts)",
+                                             element_size=stacked_element_size(tensor, holder, dim))
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
 
@@ -498,6 +510,28 @@ class Planner:
         self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps))
+
+
+def stacked_element_size(tensor, holder: str, dim: int) -> int:
+    """The element size of a stacked-experts parameter (3 or more dims, split along another dim than the first:
+    [E, 2I, H] along 2I), whose per-rank widths must keep transformers' grouped matmul strides 16-byte aligned
+    (`engine.pieces.aligned`); 0 for any other tensor (no alignment)."""
+    if holder != "parameter" or tensor.dim() < 3 or dim == 0:
+        return 0
+    return tensor.element_size()
+
+
+def feature_counts(sections, pieces, known: dict) -> dict[int, tuple[int, ...] | None]:
+    """{size: the count each rank holds} of the plain sections of one layout, for per_rank(size) in an Update;
+    None for a size `known` holds laid out otherwise (per_rank of it would be ambiguous)."""
+    out: dict[int, tuple[int, ...] | None] = {}
+    offset = 0
+    for size, heads, _, _ in map(split.parts, sections):
+        if heads is None:
+            held = tuple(sum(max(0, min(s + n, offset + size) - max(s, offset)) for s, n in p) for p in pieces)
+            out[size] = held if known.get(size, held) == held and out.get(size, held) == held else None
+        offset += size
+    return out
 
 
 def split_dim(module: nn.Module, entry, ctx: EntryContext, name: str) -> tuple[int, str]:
@@ -587,7 +621,7 @@ def input_slice(entry: Input, ctx: EntryContext, module: nn.Module, full: str) -
 
 def even_world_sizes(sections, replicate: bool, up_to: int = 16) -> list[int]:
     """The world sizes up to `up_to` at which every section splits by the even rule."""
-    return [w for w in range(1, up_to + 1) if not any(split.uneven_section(*s, w, replicate) for s in sections)]
+    return [w for w in range(1, up_to + 1) if not any(split.uneven_at(s, w, replicate) for s in sections)]
 
 
 def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sections, replicate: bool) -> TpmapError:
@@ -611,6 +645,7 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
                         "hidden_size // tp_size -> per_rank(num_attention_heads) * head_dim), or use a world size "
                         "that divides it", "attributes", path, rule="divisibility")
     plain, kv = head_counts(head_sections, ctx.tp_size)
+    plain = plain | set(ctx.features or ())  # feature counts the plan laid out (Planner.features)
     for args in expr.per_rank_calls(text):
         values = tuple(ctx.eval(a, "attributes", path) for a in args)
         if len(values) == 1 and values[0] not in plain and values[0] in {k for k, _ in kv}:
@@ -639,7 +674,7 @@ def check_uneven_proven(planner: Planner) -> None:
     per-rank size that no Update of an unproven mapping sets per rank."""
     if not planner.uneven or planner.loaded.mapping.uneven:
         return
-    even = [w for w in range(1, 17) if not any(split.uneven_section(*s, w, replicate)
+    even = [w for w in range(1, 17) if not any(split.uneven_at(s, w, replicate)
                                                 for sections, replicate in planner.layouts for s in sections)]
     raise UnevenSplitError(
         f"{planner.uneven[0]} would be split unevenly at world size {planner.tp_size} (ranks "
@@ -731,7 +766,7 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
                 reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
                 kept_whole=tuple(k for k in kept_whole if k[2]), uneven=tuple(p.uneven),
                 even_world_sizes=tuple(w for w in range(1, 17) if not any(
-                    split.uneven_section(*s, w, replicate) for sections, replicate in p.layouts for s in sections))
+                    split.uneven_at(s, w, replicate) for sections, replicate in p.layouts for s in sections))
                 if p.uneven else (),
                 heads=tuple(sorted({h for h, q, _ in p.head_sections if q is None or q == h}, reverse=True)),
                 refuse_sequence_parallel=loaded.mapping.refuse_sequence_parallel or "")

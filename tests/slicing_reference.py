@@ -18,6 +18,10 @@ The rules, for element i of a split dimension of D features at world size ws:
   rank's local tensor is padded with zero rows to ceil(V / ws).
 * uneven (a plain dim or H heads that ws does not divide, H > ws): item i (a feature, or a head) belongs to
   the rank r whose block holds it, the first D % ws ranks holding one item more than the others;
+* aligned (stacked experts: a Param entry's parameter of 3 or more dims split along another dim than its first,
+  e.g. Mixtral's [E, 2I, H] along 2I): transformers' grouped matmul needs 16-byte-aligned strides, so a plain
+  section whose width is a multiple of u = 16 bytes / element size is cut into units of u consecutive features,
+  and the units are dealt out by the plain / uneven rules above (feature k goes where its unit k // u goes);
 * key/value heads of Q query heads (query_heads; query head j reads KV head j // (Q / H)): rank r holds
   the KV heads its own query heads (the rules above, on Q) read, each m / g times, m the number of its
   query heads reading it and g the gcd of those counts.
@@ -41,6 +45,7 @@ class Layout:
     sections: tuple[tuple, ...] = ()  # (size, heads[, query heads]) of each section; () = one plain section
     groups: int | None = None
     vocab: bool = False
+    align: int = 1  # the unit (elements) of aligned plain sections (stacked experts); 1 = none
 
 
 def _block_owner(i: int, n: int, m: int) -> int:
@@ -80,10 +85,12 @@ def _section_of(j: int, sections, unit: int) -> tuple[int, tuple]:
     raise AssertionError(f"feature {j} lies beyond the sections {sections}")
 
 
-def _in_sections(j: int, sections, unit: int, m: int) -> set[int]:
+def _in_sections(j: int, sections, unit: int, m: int, align: int = 1) -> set[int]:
     """The sub-ranks (of m) holding feature j of one unit (a whole dim, or a group) laid out by `sections`."""
     start, (size, heads, *query) = _section_of(j, sections, unit)
     k = j - start
+    if heads is None and align > 1 and size % align == 0:  # aligned: units of `align` features dealt out
+        k, size = k // align, size // align
     if heads is None:
         return {k // (size // m)} if size % m == 0 else {_block_owner(k, size, m)}
     head = k // (size // heads)
@@ -97,7 +104,7 @@ def owners(layout: Layout, ws: int, i: int) -> set[int]:
     if layout.vocab:
         return {i // -(-layout.size // ws)}
     if layout.groups is None or layout.groups == 1:
-        return _in_sections(i, layout.sections, layout.size, ws)
+        return _in_sections(i, layout.sections, layout.size, ws, layout.align)
     g_count = layout.groups
     unit = layout.size // g_count
     g, j = divmod(i, unit)
@@ -191,10 +198,10 @@ def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None, int | 
     return tuple(zip(sizes, heads, query))
 
 
-def _layout(entry, size: int, evaluate) -> Layout:
+def _layout(entry, size: int, evaluate, align: int = 1) -> Layout:
     groups = None if entry.groups is None else evaluate(entry.groups)
     unit = size // groups if groups else size
-    return Layout(size, _sections(entry, unit, evaluate), groups)
+    return Layout(size, _sections(entry, unit, evaluate), groups, align=align)
 
 
 def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
@@ -262,7 +269,9 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
             out[t.name] = Split(None, None, partial=True)
             continue
         dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
-        out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0], rel)))
+        stacked = isinstance(tensor, nn.Parameter) and tensor.dim() >= 3 and dim != 0  # stacked experts
+        align = max(1, 16 // tensor.element_size()) if stacked else 1
+        out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0], rel), align))
     for shard in plan.params.values():  # tied names see the same split
         for alias in shard.aliases:
             out.setdefault(alias, out[shard.name])

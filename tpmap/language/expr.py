@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from tpmap.language.errors import DivisibilityError, TpmapError
 
@@ -202,9 +202,11 @@ def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: in
 
 
 def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0,
-             uneven: bool = False) -> int:
+             uneven: bool = False, held: Mapping[int, Sequence[int]] | None = None) -> int:
     """Evaluate with `lookup(name)` for config attributes (it raises for unknown names); `uneven`: per_rank
-    follows the uneven rule too (see `per_rank`)."""
+    follows the uneven rule too (see `per_rank`). `held`: {feature count: what each rank holds of it} as the
+    plan laid it out (stacked experts split in aligned units hold other counts than the balanced rule);
+    ``per_rank(n)`` of such a count is this rank's."""
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant):
@@ -221,7 +223,10 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
             return value
         if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
             query = ev(node.args[1]) if len(node.args) == 2 else None
-            return per_rank(ev(node.args[0]), tp_size, rank=tp_rank, query=query, uneven=uneven)
+            n = ev(node.args[0])
+            if held and query is None and n in held:
+                return held[n][tp_rank]
+            return per_rank(n, tp_size, rank=tp_rank, query=query, uneven=uneven)
         assert isinstance(node, ast.BinOp), ast.dump(node)
         a, b = ev(node.left), ev(node.right)
         if isinstance(node.op, ast.Add):
