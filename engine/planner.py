@@ -203,6 +203,11 @@ def attribute_path(config, name: str):
     return value
 
 
+# A Param path not proven uneven: a tensor of 3 or more dims split along another dim than its first, as stacked
+# experts [E, 2I, H] split along the intermediate width (grouped_mm's alignment, per-rank widths unproven).
+STACKED_PARAM = "a Param entry on a tensor of 3 or more dims split along another dim than the first (grouped experts)"
+
+
 class Planner:
     """Plans every entry of `loaded` on `model` at `tp_size`; see `build_plan`."""
 
@@ -312,7 +317,8 @@ class Planner:
         """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says.
 
         A dimension the world size does not divide is split unevenly (`engine.pieces`) only where `uneven_ok`
-        is "" (Column and Row on nn.Linear / Conv1D); elsewhere `uneven_ok` names the path, refused here."""
+        is "" (Column and Row on nn.Linear / Conv1D, Norm, Param on bare tensors); elsewhere `uneven_ok` names
+        the path, refused here."""
         def fail(message: str, key: tuple) -> TpmapError:
             return ctx.error(DivisibilityError, f"{name}: {message}", *key, rule="divisibility")
 
@@ -446,8 +452,9 @@ class Planner:
             if not 0 <= dim < len(shape):
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
+            stacked = len(shape) >= 3 and dim != 0  # stacked experts [E, 2I, H] split inside each expert
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules",
-                                             uneven_ok="a Param entry (bare tensors, grouped experts)")
+                                             uneven_ok=STACKED_PARAM if stacked else "")
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
 
@@ -487,7 +494,8 @@ class Planner:
                             "attribute to read the epsilon from", "module", rule="module-kind")
         for pname in own:
             self.claim(f"{full}.{pname}", ctx)
-        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True, uneven_ok="a Norm entry")
+        # uneven splits are exact: ShardedNorm divides the all-reduced sums by the full feature count
+        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True)
         if replicated:
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
@@ -594,8 +602,9 @@ def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sectio
     """The error for a dimension that only an uneven split fits, on a path not proven uneven."""
     works = ", ".join(map(str, even_world_sizes(sections, replicate)))
     return ctx.error(UnevenSplitError, f"{name}: world size {tp_size} splits it unevenly, and uneven splits are "
-                     f"not supported for {path} (only Column and Row on nn.Linear / Conv1D); world sizes that "
-                     f"split it evenly: {works}", "module", rule="divisibility")
+                     f"not supported for {path} (only for Column and Row on nn.Linear / Conv1D, Norm entries and "
+                     f"Param entries on bare tensors); world sizes that split it evenly: {works}", "module",
+                     rule="divisibility")
 
 
 def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, loaded) -> None:
