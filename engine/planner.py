@@ -496,13 +496,15 @@ class Planner:
             self.claim(f"{full}.{pname}", ctx)
         # uneven splits are exact: ShardedNorm divides the all-reduced sums by the full feature count
         pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True)
-        if replicated:
+        if replicated and full not in self.uneven:  # even rule (vLLM's): refused as before uneven splits existed
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
                             "heads", rule="divisibility")
-        w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces)
-        b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces)
-             if "bias" in own else None)
+        # uneven key/value heads held more than once: ShardedNorm counts each once (engine.shard.norm_copies)
+        w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces,
+                        replicated_heads=replicated)
+        b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces,
+                         replicated_heads=replicated) if "bias" in own else None)
         self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps))
