@@ -422,7 +422,7 @@ class Planner:
         for path, value_expr in entry.attributes.items():
             try:
                 if self.uneven:
-                    check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.loaded)
+                    check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.layouts)
                 self.updates.append(attribute_update(module, full, path, value_expr, ctx, self.seen_attr))
             except TpmapError as e:
                 self.fail(e)
@@ -609,11 +609,12 @@ def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sectio
                      rule="divisibility")
 
 
-def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, loaded) -> None:
+def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, layouts) -> None:
     """At a world size that splits something unevenly, an Update value must be computed per rank: no
     ``tp_size`` / ``tp_rank`` (``x // tp_size`` is the even share, wrong on an uneven split), and every
-    ``per_rank(n)`` names a head count the plan lays out plainly, every ``per_rank(kv, q)`` a count laid out
-    as key/value heads of q query heads (`head_counts`). Raises UnevenSplitError saying how to rewrite."""
+    ``per_rank(n)`` names a head count the plan lays out plainly or the size of a section of plain features
+    (split by the same balanced rule: an MLP width), every ``per_rank(kv, q)`` a count laid out as key/value
+    heads of q query heads (`head_counts`). Raises UnevenSplitError saying how to rewrite."""
     where = f"{path}: {text!r}"
     if set(expr.names(text)) & set(expr.PER_RANK_NAMES):
         raise ctx.error(UnevenSplitError, f"{where} reads the world size, but at world size {ctx.tp_size} "
@@ -622,6 +623,7 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
                         "hidden_size // tp_size -> per_rank(num_attention_heads) * head_dim), or use a world size "
                         "that divides it", "attributes", path, rule="divisibility")
     plain, kv = head_counts(head_sections, ctx.tp_size)
+    plain |= {size for sections, _ in layouts for size, heads, _ in sections if heads is None}
     for args in expr.per_rank_calls(text):
         values = tuple(ctx.eval(a, "attributes", path) for a in args)
         if len(values) == 1 and values[0] not in plain and values[0] in {k for k, _ in kv}:
@@ -662,21 +664,25 @@ def check_uneven_proven(planner: Planner) -> None:
 def check_head_sections(planner: Planner) -> None:
     """At a world size that splits some heads unevenly, every head section is the same count of query heads
     or names it (query_heads): two plain counts (12 query and 4 key/value heads without query_heads) would be
-    split independently, and a rank's query heads would not find their key/value heads."""
+    split independently, and a rank's query heads would not find their key/value heads. A model of several
+    families of heads (a hybrid's attention and linear attention) names each family's own count as the query
+    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own."""
     tp = planner.tp_size
     if not any(split.uneven_section(h, h, q, tp, True) for h, q, _ in planner.head_sections):
         return
     plain, kv = head_counts(planner.head_sections, tp)
+    named = {q for _, q in kv} | {h for h, q, _ in planner.head_sections if q == h}  # declared query counts
     queries = plain | {q for _, q in kv}
-    if len(queries) > 1:
-        entry = next(i for h, q, i in planner.head_sections if (q is None or q == h) and h != max(queries))
+    if len(queries) > 1 and not plain <= named:
+        unnamed = [(h, i) for h, q, i in planner.head_sections if q is None and h not in named]
+        entry = next((i for h, i in unnamed if h != max(queries)), unnamed[0][1])
         ctx = EntryContext(planner.config, planner.loaded, entry, tp)
         raise ctx.error(UnevenSplitError, f"at world size {tp} the heads split unevenly, and the mapping lays out "
                         f"{len(queries)} head counts ({', '.join(map(str, sorted(queries)))}) each on its own: if "
                         "the smaller are key/value heads, add `query_heads: <query head count>` to their entries "
                         "(e.g. query_heads: num_attention_heads) so that each rank holds the key/value heads its "
-                        "query heads read; or use a world size that divides every head count", "heads",
-                        rule="divisibility")
+                        "query heads read; a separate family of heads names its own count (query_heads equal to "
+                        "heads); or use a world size that divides every head count", "heads", rule="divisibility")
 
 
 def l2_statistic_norm(entry: Norm, ctx: EntryContext, module: nn.Module, full: str,

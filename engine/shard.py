@@ -14,6 +14,7 @@ into the full tensor.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import types
 import weakref
@@ -106,10 +107,7 @@ def norm_copies(shard: ParamLayout | None, rank: int, weight) -> torch.Tensor | 
     of an uneven split), on the weight's device; None where every feature is held once."""
     if shard is None or not shard.replicated_heads:
         return None
-    held = [i for r in range(len(shard.pieces)) for i in shard.indices(r)]
-    count = {i: 0 for i in held}
-    for i in held:
-        count[i] += 1
+    count = collections.Counter(i for r in range(len(shard.pieces)) for i in shard.indices(r))
     return torch.tensor([count[i] for i in shard.indices(rank)], dtype=torch.long, device=weight.device)
 
 

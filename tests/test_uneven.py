@@ -4,8 +4,9 @@ A 9-query-head / 3-KV-head Llama (SmolLM2's shape) at world sizes 2 and 4 and a 
 against the unsharded model in the same run: forward, every gradient in fp32 and fp64 per shard (against
 tests/slicing_reference.py's slices, which decide element by element), greedy generate, and the
 from_pretrained / save_pretrained round trip bit for bit. At 3 ranks, OLMo2's Norm entries over unevenly held KV
-heads and Mamba-2's Param entries over unevenly dealt groups are exact the same way. Plans at world sizes that split evenly are those of
-main before uneven splits existed (tests/plan_digests.json). Paths not proven uneven are refused."""
+heads and Mamba-2's Param entries over unevenly dealt groups are exact the same way. Plans at world sizes that
+split evenly are those of main before uneven splits existed (tests/plan_digests.json). Paths not proven uneven
+are refused."""
 from __future__ import annotations
 
 import json
