@@ -632,6 +632,8 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
                             f"split unevenly after {q} query heads: write per_rank({args[0]}, <query heads>) "
                             f"(e.g. per_rank(num_key_value_heads, num_attention_heads))", "attributes", path,
                             rule="divisibility")
+        if len(values) == 2 and values[0] == values[1]:  # as many KV heads as query heads: per_rank(n)
+            values = values[:1]
         if (len(values) == 1 and values[0] not in plain) or (len(values) == 2 and values not in kv):
             counts = sorted(plain) + [f"{k} for {q}" for k, q in sorted(kv)]
             raise ctx.error(UnevenSplitError, f"{where}: per_rank({', '.join(args)}) = per_rank"
