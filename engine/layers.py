@@ -327,19 +327,27 @@ class ShardedNorm(_TPModule):
     it computes in float32 and returns the input dtype. x_r (..., F/tp_size) -> y_r (..., F/tp_size).
 
     Example (2 ranks): OLMo2's q_norm over 12 heads x 8 becomes weight (48,) per rank, reading q_r (B, T, 48).
+    Ranks may hold different widths (uneven splits): F is the full count. `copies` (uneven key/value heads held
+    on several ranks or twice on one): how many times each local feature is held over all ranks, each term of
+    the sums divided by it so that every feature counts once (and its copies' gradients sum to the full one).
     """
 
-    def __init__(self, weight, bias, *, statistic: str, eps: float, features: int, group):
+    def __init__(self, weight, bias, *, statistic: str, eps: float, features: int, group, copies=None):
         super().__init__(group)
         self.weight, self.bias = weight, bias
         self.statistic, self.eps, self.features = statistic, eps, features
+        self.register_buffer("copies", copies, persistent=False)  # int64 (F_local,), or None: each held once
+
+    def _sum(self, h):  # (..., F_local) -> (..., 1), summed over the ranks, each feature once
+        return sum_over_tp_region((h if self.copies is None else h / self.copies).sum(-1, keepdim=True),
+                                  self.tp_group)
 
     def forward(self, x):  # (..., F/tp_size) -> (..., F/tp_size)
         dtype = x.dtype
         h = x.to(torch.float32)
         if self.statistic == "layer":
-            h = h - sum_over_tp_region(h.sum(-1, keepdim=True), self.tp_group) / self.features
-        squares = sum_over_tp_region(h.pow(2).sum(-1, keepdim=True), self.tp_group)  # (..., 1)
+            h = h - self._sum(h) / self.features
+        squares = self._sum(h.pow(2))  # (..., 1)
         h = h * torch.rsqrt((squares if self.statistic == "l2" else squares / self.features) + self.eps)
         y = h if self.weight is None else self.weight * h
         if self.bias is not None:

@@ -205,6 +205,12 @@ def attribute_path(config, name: str):
     return value
 
 
+# A Param path not proven uneven: a tensor of 3 or more dims split along another dim than its first, as stacked
+# experts [E, 2I, H] split along the intermediate width (grouped_mm's alignment, per-rank widths unproven).
+STACKED_PARAM = ("a Param entry on a tensor of 3 or more dims split along another dim than the first (grouped "
+                 "experts) whose width is not a multiple of 16 bytes")
+
+
 class Planner:
     """Plans every entry of `loaded` on `model` at `tp_size`; see `build_plan`."""
 
@@ -317,9 +323,10 @@ class Planner:
         """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says.
 
         A dimension the world size does not divide is split unevenly (`engine.pieces`) only where `uneven_ok`
-        is "" (Column and Row on nn.Linear / Conv1D); elsewhere `uneven_ok` names the path, refused here.
-        With `element_size` (stacked experts, `stacked_element_size`) plain sections are split in 16-byte units
-        (`engine.pieces.aligned`), unevenly where the units do not divide: every rank's width stays aligned."""
+        is "" (Column and Row on nn.Linear / Conv1D, Norm, Param on bare tensors); elsewhere `uneven_ok` names
+        the path, refused here. With `element_size` (stacked experts, `stacked_element_size`) plain sections are
+        split in 16-byte units (`engine.pieces.aligned`), unevenly where the units do not divide: every rank's
+        width stays aligned (and such a split is never refused: only sections without a unit are)."""
         def fail(message: str, key: tuple) -> TpmapError:
             return ctx.error(DivisibilityError, f"{name}: {message}", *key, rule="divisibility")
 
@@ -427,7 +434,7 @@ class Planner:
         for path, value_expr in entry.attributes.items():
             try:
                 if self.uneven:
-                    check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.loaded)
+                    check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.layouts)
                 self.updates.append(attribute_update(module, full, path, value_expr, ctx, self.seen_attr))
             except TpmapError as e:
                 self.fail(e)
@@ -457,8 +464,9 @@ class Planner:
             if not 0 <= dim < len(shape):
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
+            stacked = len(shape) >= 3 and dim != 0  # stacked experts [E, 2I, H] split inside each expert
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules",
-                                             uneven_ok="a Param entry (bare tensors, grouped experts)",
+                                             uneven_ok=STACKED_PARAM if stacked else "",
                                              element_size=stacked_element_size(tensor, holder, dim))
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
@@ -499,14 +507,17 @@ class Planner:
                             "attribute to read the epsilon from", "module", rule="module-kind")
         for pname in own:
             self.claim(f"{full}.{pname}", ctx)
-        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True, uneven_ok="a Norm entry")
-        if replicated:
+        # uneven splits are exact: ShardedNorm divides the all-reduced sums by the full feature count
+        pieces, replicated = self.layout(entry, weight.shape[0], ctx, full, replicate=True)
+        if replicated and full not in self.uneven:  # even rule (vLLM's): refused as before uneven splits existed
             raise ctx.error(DivisibilityError, f"{full}: a Norm over replicated heads is not exact (a replicated "
                             f"head would count twice in the statistic); use a world size that divides the heads",
                             "heads", rule="divisibility")
-        w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces)
-        b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces)
-             if "bias" in own else None)
+        # uneven key/value heads held more than once: ShardedNorm counts each once (engine.shard.norm_copies)
+        w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces,
+                        replicated_heads=replicated)
+        b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces,
+                         replicated_heads=replicated) if "bias" in own else None)
         self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps))
@@ -628,15 +639,17 @@ def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sectio
     """The error for a dimension that only an uneven split fits, on a path not proven uneven."""
     works = ", ".join(map(str, even_world_sizes(sections, replicate)))
     return ctx.error(UnevenSplitError, f"{name}: world size {tp_size} splits it unevenly, and uneven splits are "
-                     f"not supported for {path} (only Column and Row on nn.Linear / Conv1D); world sizes that "
-                     f"split it evenly: {works}", "module", rule="divisibility")
+                     f"not supported for {path} (only for Column and Row on nn.Linear / Conv1D, Norm entries and "
+                     f"Param entries on bare tensors); world sizes that split it evenly: {works}", "module",
+                     rule="divisibility")
 
 
-def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, loaded) -> None:
+def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_sections, layouts) -> None:
     """At a world size that splits something unevenly, an Update value must be computed per rank: no
     ``tp_size`` / ``tp_rank`` (``x // tp_size`` is the even share, wrong on an uneven split), and every
-    ``per_rank(n)`` names a head count the plan lays out plainly, every ``per_rank(kv, q)`` a count laid out
-    as key/value heads of q query heads (`head_counts`). Raises UnevenSplitError saying how to rewrite."""
+    ``per_rank(n)`` names a head count the plan lays out plainly or the size of a section of plain features
+    (split by the same balanced rule: an MLP width), every ``per_rank(kv, q)`` a count laid out as key/value
+    heads of q query heads (`head_counts`). Raises UnevenSplitError saying how to rewrite."""
     where = f"{path}: {text!r}"
     if set(expr.names(text)) & set(expr.PER_RANK_NAMES):
         raise ctx.error(UnevenSplitError, f"{where} reads the world size, but at world size {ctx.tp_size} "
@@ -646,6 +659,7 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
                         "that divides it", "attributes", path, rule="divisibility")
     plain, kv = head_counts(head_sections, ctx.tp_size)
     plain = plain | set(ctx.features or ())  # feature counts the plan laid out (Planner.features)
+    plain |= {size for sections, _ in layouts for size, heads, _, _ in map(split.parts, sections) if heads is None}
     for args in expr.per_rank_calls(text):
         values = tuple(ctx.eval(a, "attributes", path) for a in args)
         if len(values) == 1 and values[0] not in plain and values[0] in {k for k, _ in kv}:
@@ -654,6 +668,8 @@ def check_per_rank(text, ctx: EntryContext, path: str, uneven: list[str], head_s
                             f"split unevenly after {q} query heads: write per_rank({args[0]}, <query heads>) "
                             f"(e.g. per_rank(num_key_value_heads, num_attention_heads))", "attributes", path,
                             rule="divisibility")
+        if len(values) == 2 and values[0] == values[1]:  # as many KV heads as query heads: per_rank(n)
+            values = values[:1]
         if (len(values) == 1 and values[0] not in plain) or (len(values) == 2 and values not in kv):
             counts = sorted(plain) + [f"{k} for {q}" for k, q in sorted(kv)]
             raise ctx.error(UnevenSplitError, f"{where}: per_rank({', '.join(args)}) = per_rank"
@@ -686,21 +702,25 @@ def check_uneven_proven(planner: Planner) -> None:
 def check_head_sections(planner: Planner) -> None:
     """At a world size that splits some heads unevenly, every head section is the same count of query heads
     or names it (query_heads): two plain counts (12 query and 4 key/value heads without query_heads) would be
-    split independently, and a rank's query heads would not find their key/value heads."""
+    split independently, and a rank's query heads would not find their key/value heads. A model of several
+    families of heads (a hybrid's attention and linear attention) names each family's own count as the query
+    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own."""
     tp = planner.tp_size
     if not any(split.uneven_section(h, h, q, tp, True) for h, q, _ in planner.head_sections):
         return
     plain, kv = head_counts(planner.head_sections, tp)
+    named = {q for _, q in kv} | {h for h, q, _ in planner.head_sections if q == h}  # declared query counts
     queries = plain | {q for _, q in kv}
-    if len(queries) > 1:
-        entry = next(i for h, q, i in planner.head_sections if (q is None or q == h) and h != max(queries))
+    if len(queries) > 1 and not plain <= named:
+        unnamed = [(h, i) for h, q, i in planner.head_sections if q is None and h not in named]
+        entry = next((i for h, i in unnamed if h != max(queries)), unnamed[0][1])
         ctx = EntryContext(planner.config, planner.loaded, entry, tp)
         raise ctx.error(UnevenSplitError, f"at world size {tp} the heads split unevenly, and the mapping lays out "
                         f"{len(queries)} head counts ({', '.join(map(str, sorted(queries)))}) each on its own: if "
                         "the smaller are key/value heads, add `query_heads: <query head count>` to their entries "
                         "(e.g. query_heads: num_attention_heads) so that each rank holds the key/value heads its "
-                        "query heads read; or use a world size that divides every head count", "heads",
-                        rule="divisibility")
+                        "query heads read; a separate family of heads names its own count (query_heads equal to "
+                        "heads); or use a world size that divides every head count", "heads", rule="divisibility")
 
 
 def l2_statistic_norm(entry: Norm, ctx: EntryContext, module: nn.Module, full: str,

@@ -14,6 +14,7 @@ into the full tensor.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import types
 import weakref
@@ -101,6 +102,15 @@ def assemble(parts: list[torch.Tensor], shard: ParamLayout) -> torch.Tensor:
     return full
 
 
+def norm_copies(shard: ParamLayout | None, rank: int, weight) -> torch.Tensor | None:
+    """How many times each of `rank`'s features of a Norm is held over all ranks (replicated key/value heads
+    of an uneven split), on the weight's device; None where every feature is held once."""
+    if shard is None or not shard.replicated_heads:
+        return None
+    count = collections.Counter(i for r in range(len(shard.pieces)) for i in shard.indices(r))
+    return torch.tensor([count[i] for i in shard.indices(rank)], dtype=torch.long, device=weight.device)
+
+
 def gather_order(shard: ParamLayout) -> torch.Tensor | None:
     """For Column gather_output: position in the rank-major all-gather of each full feature, or None if
     the all-gather is already in feature order."""
@@ -124,7 +134,8 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
                                   vocab_size=ms.weight.full_shape[0], group=group)
     elif ms.style == "norm":
         new = ShardedNorm(weight, bias, statistic=ms.statistic, eps=ms.eps,
-                          features=0 if ms.weight is None else ms.weight.full_shape[0], group=group)
+                          features=0 if ms.weight is None else ms.weight.full_shape[0], group=group,
+                          copies=norm_copies(ms.weight, rank, weight))
     elif isinstance(old, nn.Embedding):
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":

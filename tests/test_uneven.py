@@ -3,8 +3,10 @@
 A 9-query-head / 3-KV-head Llama (SmolLM2's shape) at world sizes 2 and 4 and a 12-head BERT at 5 are exact
 against the unsharded model in the same run: forward, every gradient in fp32 and fp64 per shard (against
 tests/slicing_reference.py's slices, which decide element by element), greedy generate, and the
-from_pretrained / save_pretrained round trip bit for bit. Plans at world sizes that split evenly are those of
-main before uneven splits existed (tests/plan_digests.json). Paths not proven uneven are refused."""
+from_pretrained / save_pretrained round trip bit for bit. At 3 ranks, OLMo2's Norm entries over unevenly held KV
+heads and Mamba-2's Param entries over unevenly dealt groups are exact the same way. Plans at world sizes that
+split evenly are those of main before uneven splits existed (tests/plan_digests.json). Paths not proven uneven
+are refused."""
 from __future__ import annotations
 
 import json
@@ -142,9 +144,9 @@ def test_kv_heads_without_query_heads_are_refused_at_an_uneven_world_size():
 
 
 @pytest.mark.parametrize("model_type,config,path,works", [
-    ("olmo2", dict(num_attention_heads=9, num_key_value_heads=9, intermediate_size=96), "a Norm entry", "1, 3, 9"),
     ("mixtral", dict(num_attention_heads=8, num_key_value_heads=8, intermediate_size=99, num_local_experts=4),
-     "a Param entry", "1, 3, 9, 11"),
+     "a Param entry on a tensor of 3 or more dims split along another dim than the first (grouped experts)",
+     "1, 3, 9, 11"),
 ])
 def test_unproven_paths_are_refused_with_the_world_sizes_that_work(model_type, config, path, works):
     config = transformers.AutoConfig.for_model(model_type, hidden_size=72, num_hidden_layers=1, vocab_size=250,
@@ -154,6 +156,22 @@ def test_unproven_paths_are_refused_with_the_world_sizes_that_work(model_type, c
     with pytest.raises(UnevenSplitError, match="world size 2 splits it unevenly") as e:
         tpmap.plan(model, 2)
     assert f"not supported for {path}" in str(e.value) and f"split it evenly: {works}" in str(e.value), str(e.value)
+
+
+def _meta_olmo2(**config):
+    base = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=192,
+                num_hidden_layers=1, vocab_size=250, eos_token_id=2, pad_token_id=0)
+    with torch.device("meta"):
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**{**base, **config}))
+
+
+def test_a_norm_over_uneven_heads_plans_and_one_over_even_replicated_heads_is_refused_as_before():
+    plan = tpmap.plan(_meta_olmo2(), 3)  # 4 KV heads after 12 query heads at 3: [0 0 0 1], [1 2], [2 3 3 3]
+    k_norm = plan.params["model.layers.0.self_attn.k_norm.weight"]
+    assert k_norm.replicated_heads and [len(k_norm.indices(r)) for r in range(3)] == [32, 16, 32]
+    assert "model.layers.0.self_attn.k_norm" in plan.uneven
+    with pytest.raises(tpmap.DivisibilityError, match="a Norm over replicated heads is not exact"):
+        tpmap.plan(_meta_olmo2(num_key_value_heads=2), 4)  # 12 / 4 even, 2 KV heads replicated (vLLM's rule)
 
 
 def test_the_uneven_plan_of_smollm2s_shape():
@@ -185,6 +203,20 @@ def test_llama_with_9_query_and_3_kv_heads_is_exact(ranks, tmp_path, ws):
     ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
     per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, "LlamaForCausalLM", True, True)
     _assert_exact(ref, index, "LlamaForCausalLM", ws, per_rank, generate=True)
+
+
+def test_olmo2_norms_over_uneven_and_twice_held_kv_heads_are_exact_at_3(ranks):
+    """q_norm/k_norm (Norm entries) at 3 ranks over 12 query / 4 KV heads: each rank's k_norm holds KV heads
+    twice or on two ranks ([0 0 0 1], [1 2], [2 3 3 3]); the statistic counts each feature once."""
+    per_rank = ranks(3).run(rank_cases.prove_case, "olmo2", 0, "Olmo2ForCausalLM", True, False)
+    _assert_exact("olmo2", 0, "Olmo2ForCausalLM", 3, per_rank, generate=False)
+
+
+def test_mamba2_with_groups_split_unevenly_is_exact_at_3(ranks):
+    """Mamba-2's conv1d, A_log/D/dt_bias and gated-norm weight (Param entries on bare tensors) at 3 ranks over
+    4 groups of 2 heads: ranks hold 2, 1, 1 whole groups."""
+    per_rank = ranks(3).run(rank_cases.prove_case, "mamba2", 0, "Mamba2ForCausalLM", True, False)
+    _assert_exact("mamba2", 0, "Mamba2ForCausalLM", 3, per_rank, generate=False)
 
 
 @pytest.mark.parametrize("ws", [2, 4])

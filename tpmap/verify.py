@@ -368,10 +368,11 @@ def forward_case(ref: str, verify_index: int, class_name: str) -> dict:
     if plan is not None:
         local = dict(sharded.named_parameters(remove_duplicate=False))
         local |= dict(sharded.named_buffers(remove_duplicate=False))  # a Param entry may split a buffer
+        uneven = set(plan.uneven)
         for shard in plan.params.values():
-            uneven = shard.name in plan.uneven or shard.name.rpartition(".")[0] in plan.uneven  # Param: the tensor
-            if shard.dim is None or shard.replicated_heads or uneven:
-                continue  # (an uneven split: ranks hold different counts, checked by the plan itself)
+            if shard.dim is None or shard.replicated_heads or {shard.name, shard.name.rpartition(".")[0]} & uneven:
+                continue  # (an uneven split of a module or a Param tensor: ranks hold different counts, checked
+                # by the plan itself)
             dim = shard.full_shape[shard.dim]
             per_rank = -(-dim // tp_size) if shard.local_size else dim // tp_size
             want = torch.Size(shard.full_shape).numel() // dim * per_rank
