@@ -79,3 +79,22 @@ def assert_caught(ranks, path, name: str, *, expect: str) -> None:
         assert not unexpected, f"wrong mapping {name} failed, but not by {expect!r}:\n{e.summary()}"
         return
     raise AssertionError(f"wrong mapping {name} ran ({result.error or 'passed'}); expected it to raise {expect!r}")
+
+
+def even_verify_index(ref: str, cls: str, ws: int) -> int | None:
+    """The first verify config of `cls` listing `ws` whose plan at `ws` is even (None if none): what a test of a
+    path that refuses uneven plans (quantized tensors) runs."""
+    import torch
+    import transformers
+
+    import tpmap
+    from tpmap import verify
+
+    loaded = verify.resolve(ref)
+    for i, v in enumerate(loaded.mapping.verify):
+        if ws in v.world_sizes and cls in v.models:
+            with torch.device("meta"):
+                model = getattr(transformers, cls)(verify.tiny_config(ref, i))
+            if not tpmap.plan(model, ws, mapping=loaded).uneven:
+                return i
+    return None

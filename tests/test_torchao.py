@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("torchao")
 
 import torchao_cases
+from helpers import even_verify_index
 
 from tpmap import verify
 
@@ -34,20 +35,11 @@ BOUND = 1e-5
 def _index(ref: str, cls: str, ws: int) -> int:
     """The first verify config of `cls` at `ws` whose plan is even: quantized tensors refuse uneven plans (by
     design: tests/test_uneven.py proves the refusal); skipped where there is none."""
-    import torch
-    import transformers
-
-    import tpmap
-
-    loaded = verify.resolve(ref)
-    for i, v in enumerate(loaded.mapping.verify):
-        if ws in v.world_sizes and cls in v.models:
-            with torch.device("meta"):
-                model = getattr(transformers, cls)(verify.tiny_config(ref, i))
-            if not tpmap.plan(model, ws, mapping=loaded).uneven:
-                return i
-    pytest.skip(f"{ref} has no verify config of {cls} that plans evenly at world size {ws}: quantized tensors refuse "
-                "uneven plans")
+    index = even_verify_index(ref, cls, ws)
+    if index is None:
+        pytest.skip(f"{ref} has no verify config of {cls} that plans evenly at world size {ws}: quantized tensors "
+                    "refuse uneven plans")
+    return index
 
 
 def _cases():
