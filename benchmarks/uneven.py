@@ -42,7 +42,7 @@ def balanced(n: int, parts: int, r: int, unit: int = 1) -> int:
 
 def shard_shapes(layout: str, model: tuple, n: int) -> list[tuple[int, int, int, int]] | None:
     """Per rank (query heads, KV heads held, MLP width, vocabulary rows), or None where the layout cannot serve n."""
-    hidden, heads, kv, inter, _, vocab = model
+    _, heads, kv, inter, _, vocab = model
     out = []
     for r in range(n):
         if layout == "even":

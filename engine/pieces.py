@@ -96,7 +96,7 @@ def aligned(section: tuple, element_size: int) -> tuple:
     every rank's width keeps the grouped matmul's strides aligned: (size, None, None, unit), e.g. 100 fp32
     features at 2 ranks -> 52 and 48 (not 50 and 50: 200 bytes). A section with heads, or whose full width is
     not a multiple of the unit (the unsharded model's own strides are not aligned), is returned unchanged."""
-    size, heads, query, _ = parts(section)
+    size, heads, _, _ = parts(section)
     unit = max(1, GROUPED_MM_ALIGN_BYTES // max(1, element_size))
     if heads is not None or unit == 1 or size % unit:
         return section

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tpmap.engine.errors import UnevenSplitError
-from tpmap.language import expr
 from tpmap.engine.pieces import Pieces
+from tpmap.language import expr
 
 # The closed sets of strings a plan holds.
 ModuleStyle = Literal["column", "row", "norm", "vocab_embedding", "vocab_head"]

@@ -26,8 +26,9 @@ from tpmap.engine import pieces
 from tpmap.errors import DivisibilityError
 
 MIXTRAL_I100 = ("  - name: moe-i100               # I=100: 25 units of 4 fp32 elements, uneven at 2, 3 and 4\n"
-                "    config: {hidden_size: 96, num_attention_heads: 12, num_key_value_heads: 2, intermediate_size: 100,\n"
-                "             num_hidden_layers: 2, vocab_size: 256, max_position_embeddings: 64, num_local_experts: 4,\n"
+                "    config: {hidden_size: 96, num_attention_heads: 12, num_key_value_heads: 2,\n"
+                "             intermediate_size: 100, num_hidden_layers: 2, vocab_size: 256,\n"
+                "             max_position_embeddings: 64, num_local_experts: 4,\n"
                 "             num_experts_per_tok: 2}\n"
                 "    models: [MixtralForCausalLM]\n"
                 "    world_sizes: [1, 2, 3, 4]\n")
@@ -66,7 +67,7 @@ def test_aligned_units_are_balanced_and_divisible_widths_split_as_before():
     assert _widths(99, 4, 3) == [[33]] * 3  # the full width itself is not aligned: elements, as before
     assert pieces.uneven_at(pieces.aligned((100, None), 4), 2, True)  # even in elements, uneven in units
     assert not pieces.uneven_at(pieces.aligned((96, None), 4), 2, True)
-    with pytest.raises(ValueError, match="2 units, fewer than the 4 ranks.*world sizes that work: 1, 2"):
+    with pytest.raises(ValueError, match=r"2 units, fewer than the 4 ranks.*world sizes that work: 1, 2"):
         _widths(8, 4, 4)
 
 
@@ -102,7 +103,8 @@ def test_bf16_experts_are_aligned_in_units_of_8():
 
 
 def test_widths_that_cannot_be_aligned_are_refused_naming_the_world_sizes_that_work():
-    with pytest.raises(DivisibilityError, match="8 features split in units of 4 elements .* world sizes that work: 1, 2"):
+    with pytest.raises(DivisibilityError,
+                       match=r"8 features split in units of 4 elements .* world sizes that work: 1, 2"):
         tpmap.plan(_meta_mixtral(8), 4)
     with pytest.raises(tpmap.errors.UnevenSplitError, match="gate_up_proj: world size 2 splits it unevenly"):
         tpmap.plan(_meta_mixtral(99), 2)  # unaligned unsharded too: only world sizes that divide 99
@@ -129,7 +131,8 @@ def test_aligned_mixtral_round_trips_checkpoints_bit_for_bit(ranks, tmp_path):
 
 QWEN3_MOE_I100 = ("  - name: moe-i100\n"
                   "    config: {hidden_size: 96, num_attention_heads: 12, num_key_value_heads: 2, head_dim: 8,\n"
-                  "             moe_intermediate_size: 100, intermediate_size: 96, num_hidden_layers: 2, vocab_size: 256,\n"
+                  "             moe_intermediate_size: 100, intermediate_size: 96, num_hidden_layers: 2,\n"
+                  "             vocab_size: 256,\n"
                   "             max_position_embeddings: 64, num_experts: 4, num_experts_per_tok: 2}\n"
                   "    models: [Qwen3MoeForCausalLM]\n"
                   "    world_sizes: [1, 2, 3]\n")

@@ -261,9 +261,6 @@ def test_lora_on_a_torchao_int8_base_is_exact_against_unsharded_peft(ranks, ws, 
     logits, gradients, two steps, generate, save/load (no merge: re-quantizing needs the quantizer's config)."""
     pytest.importorskip("torchao")
     import lora_cases
-
-    from tpmap import verify
-
     from helpers import even_verify_index
 
     index = even_verify_index("llama", "LlamaForCausalLM", ws)  # torchao-quantized tensors refuse uneven plans

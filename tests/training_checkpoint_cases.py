@@ -19,8 +19,8 @@ from transformers import AutoConfig
 
 import tpmap
 import tpmap.training
-from tpmap.execute import PLAN_ATTR
 from tpmap import verify
+from tpmap.execute import PLAN_ATTR
 
 BATCH, SEQ = 4, 12
 

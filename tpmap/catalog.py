@@ -63,6 +63,8 @@ def features(mapping) -> list[str]:
             out["partial"] = None
         if e.when:
             out["when"] = None
+    if mapping.uneven:
+        out["uneven"] = None
     if mapping.vocab_parallel is not None:
         out["vocab_parallel"] = None
     if mapping.grad_allreduce:
