@@ -87,7 +87,7 @@ LLAMA_9_3 = ("  - name: smollm-9q3kv\n"
              "    world_sizes: [1, 2, 3, 4]\n")
 
 
-@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.full)])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
 def test_lora_at_an_uneven_world_size_is_exact_against_unsharded_peft(ranks, ws, tmp_path):
     import lora_cases
     from helpers import mapping_text, write_mapping
