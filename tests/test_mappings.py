@@ -78,7 +78,7 @@ LOOSE_FP64 = {"qwen3_5_text": (r"\.linear_attn\.A_log$", 10), "qwen3_5_moe_text"
               "minicpmv4_6": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|conv1d\.weight)$", 10),
               # MiniCPM-V 4.7: the same language model and float32 delta rule (ws 4: A_log 2.14e-6 in fp64; in_proj_a,
               # the rule's decay input, 2.31e-6 with the DeltaNet split on key-head groups)
-              "minicpmv4_7": (r"\.linear_attn\.(A_log|dt_bias|in_proj_qkv\.weight|in_proj_a\.weight|conv1d\.weight)$", 10),
+              "minicpmv4_7": (r"\.linear_attn\.(A_log|dt_bias|in_proj_(qkv|a)\.weight|conv1d\.weight)$", 10),
               # MiniCPM-OCR: MiniCPM-V 4.6's architecture, the same float32 delta rule (ws 4 in fp64: layer 0's A_log
               # 1.02e-5 for the ForConditionalGeneration, dt_bias 8.97e-6 for the base model; its fp64 forward at
               # ws 2 is 3.2e-16, fp32 forward and gradients within their bounds)
