@@ -80,8 +80,8 @@ def forward_times(model: tuple, shapes: set, tokens: tuple[int, int], repeat: in
     ids = {shape: torch.randint(0, shape[3], tokens) for shape in shapes}
     best = dict.fromkeys(shapes, float("inf"))
     with torch.inference_mode():
-        for m in models.values():  # warm-up
-            m(input_ids=ids[next(s for s in models if models[s] is m)])
+        for shape, m in models.items():  # warm-up
+            m(input_ids=ids[shape])
         for _ in range(repeat):
             for shape, m in models.items():
                 t = time.perf_counter()

@@ -79,9 +79,7 @@ def _balance(plan, model) -> str:
         return (f"# {what} per rank: {', '.join(fmt(v) for v in values)} (max/mean "
                 f"{max(values) / mean if mean else 1.0:.2f}{', uneven' if len(set(values)) > 1 else ''})")
 
-    full = {}
-    for name, p in model.named_parameters():  # tied parameters once, under their first name
-        full[name] = p.numel()
+    full = {name: p.numel() for name, p in model.named_parameters()}  # tied parameters once, under their first name
     lines = []
     if plan.heads:
         lines.append(line(f"heads (of {plan.heads[0]})", plan.rank_heads(), str))

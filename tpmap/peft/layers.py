@@ -76,10 +76,6 @@ class ParallelLoraLinear(_LoraLinear):
         if adapter_name in self.lora_variant:
             raise NotImplementedError(f"tpmap.peft: LoRA variant {type(self.lora_variant[adapter_name]).__name__} "
                                       "is not supported on sharded layers")
-        _, shard, _, _ = self._split()
-        full_out, full_in = shard.full_shape[::-1] if getattr(self.get_base_layer(), "reverse", False) \
-            else shard.full_shape
-        _draw_from_the_default_stream_as_unsharded(self, adapter_name, config.init_lora_weights, full_in, full_out)
         self._init_like_unsharded(adapter_name, config.init_lora_weights)
         self._hook_partial_gradients(adapter_name)
 
@@ -93,10 +89,14 @@ class ParallelLoraLinear(_LoraLinear):
     def _init_like_unsharded(self, adapter_name: str, init) -> None:
         """PEFT's own init of full-size A and B, drawn alike on every rank (from the seed `prepare` shared once,
         mixed with the weight's and the adapter's names: no collective per layer), then this rank's slice:
-        whole tensors agree across ranks, split ones are slices of one tensor."""
+        whole tensors agree across ranks, split ones are slices of one tensor. First the default stream draws
+        what the unsharded layer's init draws (`_full_size_init`, thrown away): at every world size, even or not,
+        each rank's stream stays where the unsharded model's is (draws at local shapes would set uneven ranks
+        apart, and every later replicated draw, a dropout mask or another adapter's init, would differ)."""
         _, shard, rank, _ = self._split()
         reverse = getattr(self.get_base_layer(), "reverse", False)
         full_out, full_in = shard.full_shape[::-1] if reverse else shard.full_shape
+        _full_size_init(self, adapter_name, init, full_in, full_out)  # (PEFT builds them in the default dtype)
         _draw_like_unsharded(self, adapter_name, init, full_in, full_out, shard.name, rank)
 
     def adapter_shard(self, which: str, adapter_name: str) -> ParamLayout | None:
@@ -156,20 +156,18 @@ class ParallelLoraLinear(_LoraLinear):
         return out.to(dtype)
 
 
-def _draw_from_the_default_stream_as_unsharded(layer, adapter_name: str, init, full_in: int, full_out: int) -> None:
-    """Draw from the default RNG stream what PEFT's update_layer draws for the unsharded layer (A and B built at
-    full size, then reset_lora_parameters), and throw it away: every rank's default stream then stays where the
-    unsharded model's is. Draws at the local shapes would leave the ranks' streams apart wherever local shapes
-    differ (an uneven world size), and every later replicated draw (dropout on replicated activations, another
-    adapter's init) would differ from rank to rank."""
+def _full_size_init(layer, adapter_name: str, init, full_in: int, full_out: int, dtype=None) -> tuple[nn.Linear, ...]:
+    """PEFT's own init (reset_lora_parameters) of full-size A (r', full_in) and B (full_out, r') built in place of
+    the layer's, from the current RNG stream; the layer's own A and B are put back. Returns the two twins."""
     a, b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
-    twin_a = nn.Linear(full_in, a.out_features, bias=False)  # (PEFT builds them in the default dtype too)
-    twin_b = nn.Linear(b.in_features, full_out, bias=False)
+    twin_a = nn.Linear(full_in, a.out_features, bias=False, dtype=dtype)
+    twin_b = nn.Linear(b.in_features, full_out, bias=False, dtype=dtype)
     layer.lora_A[adapter_name], layer.lora_B[adapter_name] = twin_a, twin_b
     try:
         layer.reset_lora_parameters(adapter_name, init)
     finally:
         layer.lora_A[adapter_name], layer.lora_B[adapter_name] = a, b
+    return twin_a, twin_b
 
 
 def _draw_like_unsharded(layer, adapter_name: str, init, full_in: int, full_out: int, name: str, rank: int) -> None:
@@ -177,17 +175,10 @@ def _draw_like_unsharded(layer, adapter_name: str, init, full_in: int, full_out:
     (the seed `prepare` shared, mixed with the base tensor's `name` and the adapter's), then this rank's slices
     (layer.adapter_shard): whole tensors agree across ranks, split ones are slices of one tensor."""
     a, b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
-    base = layer.get_base_layer()
-    seed = base.__dict__[SEED_ATTR] + zlib.crc32(f"{name}/{adapter_name}".encode())
+    seed = layer.get_base_layer().__dict__[SEED_ATTR] + zlib.crc32(f"{name}/{adapter_name}".encode())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed % 2**63)
-        twin_a = nn.Linear(full_in, a.out_features, bias=False, dtype=a.weight.dtype)
-        twin_b = nn.Linear(b.in_features, full_out, bias=False, dtype=b.weight.dtype)
-        layer.lora_A[adapter_name], layer.lora_B[adapter_name] = twin_a, twin_b
-        try:
-            layer.reset_lora_parameters(adapter_name, init)
-        finally:
-            layer.lora_A[adapter_name], layer.lora_B[adapter_name] = a, b
+        twin_a, twin_b = _full_size_init(layer, adapter_name, init, full_in, full_out, a.weight.dtype)
     with torch.no_grad():  # e.g. B_r: the rows of B a Column keeps; A_r: the columns of A a Row keeps
         for which, module, twin in (("A", a, twin_a), ("B", b, twin_b)):
             split = layer.adapter_shard(which, adapter_name)
