@@ -118,7 +118,7 @@ class Plan:
 
     def rank_shares(self, full_params: dict[str, int]) -> tuple[float, ...]:
         """Per rank: the elements it holds / the model's, from {parameter name: numel} of the full model (every
-        parameter once; split ones by their pieces, the others whole)."""
+        parameter once; split ones by their pieces or padded length, the others whole)."""
         layouts = self.params
         total = sum(full_params.values())
         out = []
@@ -128,8 +128,8 @@ class Plan:
                 p = layouts.get(name)
                 if p is None or p.dim is None:
                     held += numel
-                else:
-                    held += numel // p.full_shape[p.dim] * sum(n for _, n in p.pieces[r])
+                else:  # an uneven vocabulary's rows padded to local_size are held too
+                    held += numel // p.full_shape[p.dim] * (p.local_size or sum(n for _, n in p.pieces[r]))
             out.append(held / total if total else 1.0)
         return tuple(out)
 

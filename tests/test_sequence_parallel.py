@@ -30,6 +30,10 @@ LOOSE_SP_FP64 = {"ovis2": 10,
                  # sandwich norms and the attention/MLP sub-norms): at ws 2, 1.7e-7 on the logits and 1.13e-6 on
                  # a gradient (fp32 passes at 1x)
                  "dory": 10}
+# fp32 logits bound x factor. HRM's text model applies its L and H stacks 8 times per forward (the recurrence), so
+# fp32 rounding from the ranks' partial sums compounds: at ws 2 the logits 1.13e-5 from the unsharded model while
+# sequence parallelism equals plain TP exactly (0.0) and the fp64 case passes at 1x
+LOOSE_SP_FP32 = {"hrm_text": 3}
 # Gradients that are zero in exact arithmetic, rounding noise in both fp32 models whose difference is judged at
 # the noise's own scale: LayoutLM's key bias shifts every score of a query by one constant, which softmax
 # ignores; with its layout embeddings the fp32 noise of the token-split sum reaches 1.83 of the full model's
@@ -192,7 +196,9 @@ def test_same_logits_and_gradients(ranks, ref, cls, ws, dtype):
         assert any(t % ws == 0 for t in r["block1_tokens_tp"]), r  # the case really exercises the split
         assert _split_as_expected(r["block1_tokens"], r["block1_tokens_tp"], ws), r
         loose = LOOSE_SP_FP64.get(ref, 1) if dtype == torch.float64 else 1
-        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] * loose and r["logits_vs_tp"] <= LOGIT_RTOL[dtype] * loose, r
+        logit_loose = loose if dtype == torch.float64 else LOOSE_SP_FP32.get(ref, 1)
+        assert r["logits_vs_full"] <= LOGIT_RTOL[dtype] * logit_loose, r
+        assert r["logits_vs_tp"] <= LOGIT_RTOL[dtype] * loose, r
         zero = ZERO_IN_EXACT_ARITHMETIC.get(ref) if dtype == torch.float32 else None
         judged = {n: rel for n, rel in r["grad_rels"].items() if not (zero and re.search(zero, n))}
         assert r["checked"] > 0 and max(judged.values()) <= GRAD_RTOL[dtype] * loose, (r, judged)

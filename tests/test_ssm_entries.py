@@ -8,8 +8,8 @@ an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
 * Enter on Mamba's x_proj / Jamba's dt/B/C norms: the forward is unchanged without it, but every rank
   reads the whole [dt | B | C] with its own channels only, so the gradients of x_proj and below are
   partial sums -- caught by the per-shard gradient comparison;
-* Mamba-2's `n_groups // tp_size`: with fewer groups than ranks the gated norm's per-group statistic
-  would span ranks; the shipped mapping refuses that world size, and a mapping that replicates the
+* Mamba-2's whole-group split (heads: n_groups): with fewer groups than ranks the gated norm's per-group
+  statistic would span ranks; the shipped mapping refuses that world size, and a mapping that replicates the
   groups instead is wrong.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import rank_cases
 import torch
-from helpers import DIFFERENCE, assert_caught, edited, edited_copy, first_case, replaced, run_case, write_mapping
+from helpers import DIFFERENCE, assert_caught, edited_copy, first_case, run_case, write_mapping
 
 from tpmap.language import source
 from tpmap.language.errors import DivisibilityError
@@ -33,7 +33,7 @@ FORWARD_WRONG = {
                              r"mat1 and mat2 shapes cannot be multiplied \(\d+x192 and 96x\d+\)"),
     # Mamba-2's conv over [x | B | C] split as one block: channels of x paired with filters of B/C
     "mamba2-conv-without-sections": ("mamba2", "    dim: 0\n    sections:\n"
-                                     "      - {size: num_heads * head_dim, heads: num_heads}   # x\n"
+                                     "      - {size: num_heads * head_dim, heads: n_groups}    # x\n"
                                      "      - {size: n_groups * state_size, heads: n_groups}   # B\n"
                                      "      - {size: n_groups * state_size, heads: n_groups}   # C\n", "    dim: 0\n",
                                      DIFFERENCE),
@@ -79,24 +79,76 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_at_plan_time():
     config = AutoConfig.for_model("mamba2", **{**loaded.mapping.verify[0].config, "n_groups": 1})
     with torch.device("meta"):
         model = transformers.Mamba2ForCausalLM(config)
-    with pytest.raises(DivisibilityError, match="n_groups"):
+    # the location points at the Row's `heads: n_groups`
+    with pytest.raises(DivisibilityError, match=r"mamba2\.yaml:\d+:\d+: .*out_proj: 1 heads cannot be split over "
+                                                r"world size 2 .*world sizes that work: 1$"):
         planner.build_plan(model, loaded, 2)
     planner.build_plan(model, loaded, 1)  # world size 1 is fine
+
+
+# Mamba-2 with its heads split one by one and B/C replicated where there are fewer groups than ranks (as KV heads
+# are): what the shipped mapping's whole-group split (heads: n_groups everywhere) prevents
+REPLICATED_GROUPS = """model_type: mamba2
+entries:
+  - kind: Column
+    module: layers.*.mixer.in_proj
+    sections:
+      - {size: num_heads * head_dim, heads: num_heads}
+      - {size: num_heads * head_dim, heads: num_heads}
+      - {size: n_groups * state_size, heads: n_groups}
+      - {size: n_groups * state_size, heads: n_groups}
+      - {size: num_heads, heads: num_heads}
+  - kind: Param
+    module: layers.*.mixer.conv1d
+    params: [weight, bias]
+    dim: 0
+    sections:
+      - {size: num_heads * head_dim, heads: num_heads}
+      - {size: n_groups * state_size, heads: n_groups}
+      - {size: n_groups * state_size, heads: n_groups}
+  - kind: Update
+    module: layers.*.mixer.conv1d
+    attributes:
+      groups: per_rank(num_heads) * head_dim + 2 * per_rank(n_groups) * state_size
+      in_channels: per_rank(num_heads) * head_dim + 2 * per_rank(n_groups) * state_size
+      out_channels: per_rank(num_heads) * head_dim + 2 * per_rank(n_groups) * state_size
+  - kind: Param
+    module: layers.*.mixer
+    params: [A_log, D, dt_bias]
+    dim: 0
+    heads: num_heads
+  - kind: Param
+    module: layers.*.mixer.norm
+    params: [weight]
+    dim: 0
+    heads: num_heads
+  - kind: Update
+    module: layers.*.mixer
+    attributes:
+      num_heads: per_rank(num_heads)
+      n_groups: per_rank(n_groups)
+      intermediate_size: per_rank(num_heads) * head_dim
+      conv_dim: per_rank(num_heads) * head_dim + 2 * per_rank(n_groups) * state_size
+  - kind: Update
+    module: layers.*.mixer.norm
+    attributes:
+      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)
+  - kind: Row
+    module: layers.*.mixer.out_proj
+    heads: num_heads
+vocab_parallel: {embedding: true, lm_head: true}
+verify:
+  - name: h8-g1
+    config: {hidden_size: 64, expand: 2, num_heads: 8, head_dim: 16, n_groups: 1, state_size: 8,
+             chunk_size: 4, conv_kernel: 4, num_hidden_layers: 2, vocab_size: 256}
+    models: [Mamba2ForCausalLM]
+    world_sizes: [2]
+"""
 
 
 def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
     """What the refusal prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
     gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
-    text = edited("mamba2", "n_groups // tp_size", "per_rank(n_groups)", every=True)
-    out_proj = "  - kind: Row\n    module: layers.*.mixer.out_proj\n"
-    norm_update = ("  - kind: Update\n    module: layers.*.mixer.norm\n    attributes:\n"
-                   "      group_size: per_rank(num_heads) * head_dim // per_rank(n_groups)\n")
-    text = replaced(text, out_proj, norm_update + out_proj, once=True)
-    text = text[:text.index("verify:")] + (
-        "verify:\n  - name: h8-g1\n"
-        "    config: {hidden_size: 64, expand: 2, num_heads: 8, head_dim: 16, n_groups: 1, state_size: 8,\n"
-        "             chunk_size: 4, conv_kernel: 4, num_hidden_layers: 2, vocab_size: 256}\n"
-        "    models: [Mamba2ForCausalLM]\n    world_sizes: [2]\n")
-    path = write_mapping(tmp_path, "mamba2_replicated_groups", text)
+    path = write_mapping(tmp_path, "mamba2_replicated_groups", REPLICATED_GROUPS)
     result = run_case(ranks, first_case(path, 2))
     assert not result.passed and result.rel_diff > 1e-3, result

@@ -232,8 +232,10 @@ def test_a_run_built_by_from_pretrained_resumes_into_one_built_the_same_way(rank
 def test_check_resume_refuses_a_shape_the_mapping_cannot_serve(ranks, tmp_path):
     ranks(2).run(cases.resume_case, {**LLAMA, "stop": 1, "save_at": 1}, str(tmp_path), False, timeout=300)
     assert tpmap.training.check_resume(tmp_path, 4).tp_size == 4
-    with pytest.raises(tpmap.TrainingCheckpointError, match=r"cannot resume at tp 5: .*12 heads cannot be split"):
-        tpmap.training.check_resume(tmp_path, 5)
+    assert tpmap.training.check_resume(tmp_path, 5).uneven  # llama splits unevenly: 12 heads as 3/3/2/2/2
+    with pytest.raises(tpmap.TrainingCheckpointError, match=r"cannot resume at tp 13: .*12 heads cannot be split "
+                                                            r"over world size 13"):
+        tpmap.training.check_resume(tmp_path, 13)
 
 
 @pytest.mark.parametrize("model_type,class_name", [("gpt2", "GPT2LMHeadModel"), ("mixtral", "MixtralForCausalLM")])
