@@ -11,6 +11,7 @@ length (a 5000-digit integer). Each violation is a located `MappingError`, never
 """
 from __future__ import annotations
 
+import functools
 import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +166,7 @@ def _scalar(node: yaml.ScalarNode, src: SourceMap, loader) -> Any:
                                      "wrong-type")) from None
 
 
-def _max_depth(text: str, path: str) -> None:
+def _max_depth(text: str, path: str, loader=yaml.SafeLoader) -> None:
     """Refuse deep nesting before composing: PyYAML's composer recurses once per level. Scanning is
     iterative; a scanning error is left for the composer to report with its context."""
     depth = 0
@@ -173,7 +174,7 @@ def _max_depth(text: str, path: str) -> None:
               yaml.FlowSequenceStartToken)
     ends = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
     try:
-        for token in yaml.scan(text, Loader=yaml.SafeLoader):
+        for token in yaml.scan(text, Loader=loader):
             if isinstance(token, starts):
                 depth += 1
                 if depth > LIMITS["depth"]:
@@ -187,6 +188,20 @@ def _max_depth(text: str, path: str) -> None:
         return
 
 
+def _compose_fast(text: str, path: str) -> yaml.Node | None:
+    """The composed document by libyaml (PyYAML's C extension, ~10x faster), or None where it is not installed,
+    the text is not ASCII (columns are counted alike only there), the document is empty or it fails: the
+    pure-Python loader then composes it again and words the error (tests/lint/cases hold those messages)."""
+    fast = getattr(yaml, "CSafeLoader", None)
+    if fast is None or not text.isascii():
+        return None
+    try:
+        _max_depth(text, path, fast)
+        return yaml.compose(text, Loader=fast)
+    except yaml.YAMLError:
+        return None
+
+
 def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
     """Safe-load `text`, returning the data and its SourceMap; YAML errors raise MappingErrors."""
     src = SourceMap(path)
@@ -195,9 +210,11 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
     if size > LIMITS["file_bytes"]:
         raise MappingErrors([MappingError(f"the file has {size:,} bytes (limit {LIMITS['file_bytes']:,}); a mapping "
                                           "has a few KiB", Position(path, 1, 1), "yaml-syntax")])
-    _max_depth(text, path)
+    node = _compose_fast(text, path)
+    if node is None:
+        _max_depth(text, path)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = node or yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.reader.ReaderError as e:  # a control character: YAML forbids it anywhere in the text
         before = text[: e.position]
         pos = Position(path, before.count("\n") + 1, e.position - (before.rfind("\n") + 1) + 1)
@@ -304,6 +321,15 @@ def _pydantic_errors(err: pydantic.ValidationError, data: Any, src: SourceMap) -
 
 
 def load_text(text: str, path: str) -> MappingFile:
+    """The validated MappingFile of `text` (read from `path`, named in messages). The same text is parsed
+    once per process: apply, plan, verify and the checkpoint paths each resolve a mapping several times, and
+    PyYAML's pure-Python composer takes tens of milliseconds per file. The result is shared, never mutated
+    (the schema's models are frozen; composition builds a new MappingFile)."""
+    return _load_text(text, path)
+
+
+@functools.lru_cache(maxsize=128)
+def _load_text(text: str, path: str) -> MappingFile:  # errors raise, so they are never cached
     data, src = parse_yaml(text, path)
     if not isinstance(data, dict):
         raise MappingErrors([MappingError("a mapping file must be a YAML mapping with model_type, entries and verify",
@@ -352,7 +378,13 @@ def shipped_dir() -> Path:
 
 def shipped_files() -> dict[str, Path]:
     """model_type -> file, for every shipped mapping (the file stem is the model_type)."""
-    return {p.stem: p for p in sorted(shipped_dir().glob("*.yaml"))}
+    folder = shipped_dir()
+    return dict(_listing(folder, folder.stat().st_mtime_ns))  # listed again once a file is added or removed
+
+
+@functools.lru_cache(maxsize=4)
+def _listing(folder: Path, mtime_ns: int) -> tuple[tuple[str, Path], ...]:
+    return tuple((p.stem, p) for p in sorted(folder.glob("*.yaml")))
 
 
 def for_model_type(model_type: str) -> MappingFile:
