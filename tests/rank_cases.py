@@ -3,6 +3,7 @@ Each one computes the unsharded reference itself, in the same run, and returns p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -82,7 +83,7 @@ def gather_output_case() -> float:
     loaded = verify.resolve("gpt2")
     entries = list(loaded.mapping.entries)
     entries[0] = entries[0].model_copy(update={"gather_output": True})
-    loaded.mapping = loaded.mapping.model_copy(update={"entries": entries})
+    loaded = dataclasses.replace(loaded, mapping=loaded.mapping.model_copy(update={"entries": entries}))
     full = verify.build_model("gpt2", 0, "GPT2LMHeadModel")
     sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=loaded)
     x = torch.randn(2, 5, full.config.n_embd, generator=torch.Generator().manual_seed(3))

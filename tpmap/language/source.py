@@ -57,7 +57,7 @@ class Scope:
         return config
 
 
-@dataclass
+@dataclass(frozen=True)  # shared: load_text returns one object per text (dataclasses.replace makes a variant)
 class MappingFile:
     mapping: Mapping
     source: SourceMap
