@@ -140,21 +140,27 @@ def _head_ranges(size: int, heads: int, query: int | None, tp_size: int, replica
     if query is not None and (query <= 0 or query % heads):
         raise fail(f"{heads} key/value heads must divide the {query} query heads (query_heads)", key)
     head = size // heads
-    uneven = uneven_section(size, heads, query, tp_size, replicate)
-    held = None if uneven and not allow_uneven else [expr.rank_heads(heads, tp_size, r, query)
-                                                     for r in range(tp_size)]
-    shared = held is not None and None not in held and sum(map(len, held)) > heads
-    if held is None or None in held or (shared and not replicate):
-        why = ("a Row input cannot be replicated" if shared and not replicate else
-               "fewer heads than ranks, not dividing the world size" if allow_uneven else
-               "neither divides the other")
+    held, why = _held_heads(size, heads, query, tp_size, replicate, allow_uneven)
+    if held is None:
         fewest = heads if query is None else min(heads, query)
         works = [w for w in range(1, 2 * fewest + 1)
-                 if (allow_uneven and w <= (fewest if replicate else heads)) or heads % w == 0
-                 or (replicate and w % fewest == 0)]
+                 if _held_heads(size, heads, query, w, replicate, allow_uneven)[0] is not None]
         raise fail(f"{heads} heads cannot be split over world size {tp_size} ({why}); world sizes that "
                    f"work: {', '.join(map(str, works[:8]))}", key)
     return [list(merge((h * head, head) for h in rank)) for rank in held]
+
+
+def _held_heads(size: int, heads: int, query: int | None, tp_size: int, replicate: bool,
+                allow_uneven: bool) -> tuple[list[list[int]] | None, str]:
+    """Each rank's heads (`expr.rank_heads`), or None and why this world size cannot hold them."""
+    if uneven_section(size, heads, query, tp_size, replicate) and not allow_uneven:
+        return None, "neither divides the other"
+    held = [expr.rank_heads(heads, tp_size, r, query) for r in range(tp_size)]
+    if None in held:
+        return None, "fewer heads than ranks, not dividing the world size"
+    if not replicate and sum(map(len, held)) > heads:
+        return None, "ranks whose query heads share a head would both hold it, and a Row's input or a ModuleList cannot"
+    return held, ""
 
 
 def split_groups(groups: int, group_width: int, sections, tp_size: int, replicate: bool, fail: Fail,

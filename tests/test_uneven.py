@@ -132,6 +132,20 @@ def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size():
         tpmap.plan(model, 5)
 
 
+def test_a_module_list_of_kv_heads_shared_by_two_ranks_is_refused_naming_sizes_that_work():
+    """StableLM-2's k_layernorm holds one LayerNorm per KV head in a ModuleList, which cannot hold an item twice: 12
+    query / 4 KV heads at 3 ranks (4/4/4 query heads) would put KV heads 1 and 2 on two ranks each. The world sizes
+    offered are those the same rule accepts (3 used to be offered, and refused)."""
+    with torch.device("meta"):
+        model = transformers.StableLmForCausalLM(verify.tiny_config("stablelm"))
+    for ws in (3, 5):
+        with pytest.raises(tpmap.DivisibilityError, match=r"k_layernorm\.norms: 4 heads cannot be split over world "
+                           rf"size {ws} \(ranks whose query heads share a head would both hold it, and a Row's input or a "
+                           r"ModuleList cannot\); world sizes that work: 1, 2, 4$"):
+            tpmap.plan(model, ws)
+    tpmap.plan(model, 4)
+
+
 def test_an_update_that_reads_tp_size_is_refused_at_an_uneven_world_size():
     text = edited("bert", "num_attention_heads: per_rank(num_attention_heads)", "num_attention_heads: "
                   "num_attention_heads // tp_size")
