@@ -67,7 +67,7 @@ def _cases():
                                    marks=() if default else pytest.mark.full)
 
 
-@pytest.mark.parametrize("ref,cls,targets,modules_to_save,ws,dtype", _cases())
+@pytest.mark.parametrize("ref,cls,targets,modules_to_save,ws,dtype", list(_cases()))
 def test_lora_is_exact_against_unsharded_peft(ranks, ref, cls, targets, modules_to_save, ws, dtype, tmp_path):
     import lora_cases
 
