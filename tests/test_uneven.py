@@ -91,6 +91,7 @@ CHANGED_ON_PURPOSE = {
     # (per_layer_config) with num_key_value_groups updated: the same pieces at 2 and 4 plus the Update; at 8 the global
     # layers' 4 KV heads are now held whole by the ranks whose query heads use them (main's plan cut each in half)
     "gemma4_unified_text/keqv-shared/Gemma4UnifiedForCausalLM",
+    "gemma4_text/moe-keqv-shared/Gemma4ForCausalLM",  # the same k_eq_v entries, fixed alike
 }
 
 
