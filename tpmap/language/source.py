@@ -214,7 +214,8 @@ def parse_yaml(text: str, path: str) -> tuple[Any, SourceMap]:
     if node is None:
         _max_depth(text, path)
     try:
-        node = node or yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.reader.ReaderError as e:  # a control character: YAML forbids it anywhere in the text
         before = text[: e.position]
         pos = Position(path, before.count("\n") + 1, e.position - (before.rfind("\n") + 1) + 1)
