@@ -227,22 +227,43 @@ def _grad_report(full, sharded, rank: int, mapping=None) -> dict:
             "sharded": sorted(sharded_names), "expected_sharded": expected, "reshaped": sorted(reshaped), "rels": rels}
 
 
-def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
-              dtype: torch.dtype = torch.float32) -> dict:
-    """One forward/backward of a transformers loss: every local gradient equals the unsharded slice."""
-    ws, rank = dist.get_world_size(), dist.get_rank()
+def _grad_setup(ref: str, verify_index: int, class_name: str, dtype: torch.dtype):
+    """The unsharded model of a gradient check in `dtype`, in the mode its verify config asks, and its inputs."""
     full = verify.build_model(ref, verify_index, class_name).to(dtype)
     if dtype == torch.float64 and full._can_set_experts_implementation():
         full.set_experts_implementation("eager")  # grouped_mm (the fp32 default, tested there) has no fp64 kernel
     inputs, has_labels = loss_kwargs(full, in_dtype(verify.case_inputs(ref, verify_index, full), dtype))
-    train = verify.resolve(ref).mapping.verify[verify_index].grad_mode == "train"
-    if train:  # (the sharded copy inherits both)
+    if verify.resolve(ref).mapping.verify[verify_index].grad_mode == "train":  # (the sharded copy inherits both)
         zero_dropout_(full)
         full.train()
+    return full, inputs, has_labels
+
+
+def reference_grads(ref: str, verify_index: int, class_name: str, dtype: torch.dtype = torch.float32) -> dict:
+    """The unsharded model's loss and gradients (by parameter name), as grad_case computes them."""
+    full, inputs, has_labels = _grad_setup(ref, verify_index, class_name, dtype)
+    torch.manual_seed(7)
+    loss = loss_of(full, inputs, has_labels)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad for n, p in full.named_parameters()}}
+
+
+def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool = False,
+              dtype: torch.dtype = torch.float32, reference: dict | None = None) -> dict:
+    """One forward/backward of a transformers loss: every local gradient equals the unsharded slice.
+    `reference`: the unsharded loss and gradients (reference_grads) computed on another rank of this case;
+    by default this rank computes them."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    full, inputs, has_labels = _grad_setup(ref, verify_index, class_name, dtype)
     sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=verify.resolve(ref))
-    torch.manual_seed(7)  # the same state for both forwards (and on every rank: the input check compares it)
-    loss_full = loss_of(full, inputs, has_labels)
-    loss_full.backward()
+    if reference is None:
+        torch.manual_seed(7)  # the same state for both forwards (and on every rank: the input check compares it)
+        loss_full = loss_of(full, inputs, has_labels)
+        loss_full.backward()
+        reference = {"loss": loss_full.item()}
+    else:
+        for name, p in full.named_parameters():
+            p.grad = reference["grads"][name]
     torch.manual_seed(7)
     if checkpointing:  # HF checkpoints only in train mode: no dropout, so results stay comparable
         zero_dropout_(sharded)
@@ -251,8 +272,8 @@ def grad_case(ref: str, verify_index: int, class_name: str, checkpointing: bool 
     loss_sharded = loss_of(sharded, inputs, has_labels)
     loss_sharded.backward()
     report = _grad_report(full, sharded, rank, verify.resolve(ref))
-    report["loss_diff"] = abs(loss_full.item() - loss_sharded.item())
-    report["loss"] = loss_full.item()
+    report["loss_diff"] = abs(reference["loss"] - loss_sharded.item())
+    report["loss"] = reference["loss"]
     return report
 
 
@@ -394,12 +415,39 @@ def region_after_error_case() -> dict:
 
 
 def generate_case(ref: str, verify_index: int, class_name: str, cache: str | None = None,
-                  new_tokens: int = 20, loss_parallel: bool = False) -> dict:
+                  new_tokens: int = 20, loss_parallel: bool = False, want: torch.Tensor | None = None) -> dict:
     """Greedy generate, batch 2: the same tokens as the unsharded model on every rank. Token prompts are
     left-padded (decoder-only); a model whose main input is not input_ids (Whisper's input_features)
     generates from its verify config's example of that input, and a verify config that declares other
     inputs (images: pixel_values, and input_ids holding their image tokens) generates from its example
-    inputs, unpadded."""
+    inputs, unpadded. `want`: the unsharded model's tokens (reference_generate) computed on another rank of this
+    case; by default this rank generates them."""
+    full, prompt, kwargs = _generate_setup(ref, verify_index, class_name, cache, new_tokens)
+    ws = dist.get_world_size()
+    if want is None:
+        fresh = copy.deepcopy(full)  # before generate: RecurrentGemma keeps its cache states on its modules
+        want = full.generate(prompt, **kwargs)
+    else:
+        fresh = full
+    sharded = tpmap.apply(fresh, ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
+    got = sharded.generate(prompt, **kwargs)
+    everyone = [torch.empty_like(got) for _ in range(ws)]
+    dist.all_gather(everyone, got.contiguous())
+    encoder_decoder = getattr(full.config, "is_encoder_decoder", False)
+    return {"same_as_full": torch.equal(want, got), "ranks_agree": all(torch.equal(got, o) for o in everyone),
+            "new_tokens": got.shape[1] - (0 if encoder_decoder else prompt.shape[1]),
+            "tokens": got[:, -5:].tolist()}
+
+
+def reference_generate(ref: str, verify_index: int, class_name: str, cache: str | None = None,
+                       new_tokens: int = 20) -> torch.Tensor:
+    """The unsharded model's greedy tokens, as generate_case computes them."""
+    full, prompt, kwargs = _generate_setup(ref, verify_index, class_name, cache, new_tokens)
+    return full.generate(prompt, **kwargs)
+
+
+def _generate_setup(ref: str, verify_index: int, class_name: str, cache: str | None, new_tokens: int):
+    """The unsharded model of a generate check, its prompt and generate's arguments (generate_case)."""
     ws = dist.get_world_size()
     full = verify.build_model(ref, verify_index, class_name)
     cfg = full.config
@@ -428,15 +476,7 @@ def generate_case(ref: str, verify_index: int, class_name: str, cache: str | Non
             kwargs.update(inputs)
     if cache is not None:
         kwargs["cache_implementation"] = cache
-    fresh = copy.deepcopy(full)  # before generate: RecurrentGemma keeps its cache states on its modules
-    want = full.generate(prompt, **kwargs)
-    sharded = tpmap.apply(fresh, ws, mapping=verify.resolve(ref), loss_parallel=loss_parallel)
-    got = sharded.generate(prompt, **kwargs)
-    everyone = [torch.empty_like(got) for _ in range(ws)]
-    dist.all_gather(everyone, got.contiguous())
-    return {"same_as_full": torch.equal(want, got), "ranks_agree": all(torch.equal(got, o) for o in everyone),
-            "new_tokens": got.shape[1] - (0 if encoder_decoder else prompt.shape[1]),
-            "tokens": got[:, -5:].tolist()}
+    return full, prompt, kwargs
 
 
 def loss_parallel_case(ref: str, verify_index: int, class_name: str) -> dict:
@@ -741,19 +781,57 @@ def _get(model: torch.nn.Module, name: str):
 def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool) -> dict:
     """Everything CI proves for one (mapping, verify config, class) at this world size, in one round trip
     to the ranks: the forward against the unsharded model and this rank's expected parameter share
-    (always); per-shard gradients in fp32 and fp64 and greedy generate (dynamic cache) where asked."""
+    (always); per-shard gradients in fp32 and fp64 and greedy generate (dynamic cache) where asked. The
+    unsharded gradients and tokens are computed once between the ranks (shared_references), not on each."""
+    not_checked = verify.resolve(ref).mapping.verify[verify_index].not_checked
+    jobs = {}  # the most expensive first, alone on rank 0
+    if generate and "generate" not in not_checked:
+        jobs["generate"] = lambda: reference_generate(ref, verify_index, class_name)
+    if training:
+        jobs["grad_fp32"] = lambda: reference_grads(ref, verify_index, class_name, torch.float32)
+        if "grad_fp64" not in not_checked:
+            jobs["grad_fp64"] = lambda: reference_grads(ref, verify_index, class_name, torch.float64)
+    references = shared_references(jobs)
     out = {"forward": verify.forward_case(ref, verify_index, class_name),
            "share": expected_share(ref, verify_index, class_name)}
     if training:
-        out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32)
-        if "grad_fp64" in verify.resolve(ref).mapping.verify[verify_index].not_checked:
+        out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32,
+                                     reference=references["grad_fp32"])
+        if "grad_fp64" in not_checked:
             out["grad_fp64_unsharded_error"] = unsharded_fp64_error(ref, verify_index, class_name)
         else:
-            out["grad_fp64"] = grad_case(ref, verify_index, class_name, False, torch.float64)
-    if generate and "generate" in verify.resolve(ref).mapping.verify[verify_index].not_checked:
+            out["grad_fp64"] = grad_case(ref, verify_index, class_name, False, torch.float64,
+                                         reference=references["grad_fp64"])
+    if generate and "generate" in not_checked:
         out["generate_unsharded_error"] = unsharded_generate_error(ref, verify_index, class_name)
     elif generate:
-        out["generate"] = generate_case(ref, verify_index, class_name, None)
+        out["generate"] = generate_case(ref, verify_index, class_name, None, want=references["generate"])
+    return out
+
+
+def shared_references(jobs: dict) -> dict:
+    """Runs each job (name -> callable computing an unsharded reference) on one rank only and sends its
+    result to every rank: the first job (the most expensive) on rank 0, the others dealt out over ranks 1..
+    (so at world size 2 rank 1 runs all but the first). Every rank builds the same model from the same seed
+    and inputs, so the result is the one it would compute itself; each rank still compares its own shard
+    against it. A job that raises raises on every rank, naming the rank and the job (none is left waiting)."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    owner = {name: 0 if i == 0 or ws == 1 else 1 + (i - 1) % (ws - 1) for i, name in enumerate(jobs)}
+    mine = {}
+    for name, job in jobs.items():
+        if owner[name] == rank:
+            try:
+                mine[name] = (True, job())
+            except Exception as e:  # sent to every rank below and raised there
+                mine[name] = (False, f"{type(e).__name__}: {e}")
+    out = {}
+    for name in jobs:
+        box = [mine.get(name)]
+        dist.broadcast_object_list(box, src=owner[name])
+        ok, value = box[0]
+        if not ok:
+            raise RuntimeError(f"the unsharded reference {name!r} failed on rank {owner[name]}: {value}")
+        out[name] = value
     return out
 
 

@@ -31,6 +31,7 @@ head held several times is its block of features repeated.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -117,6 +118,17 @@ def owners(layout: Layout, ws: int, i: int) -> set[int]:
 
 def held(layout: Layout, ws: int, rank: int) -> list[int]:
     """The full indices rank `rank` holds, in local order (a KV head held c times: its block c times)."""
+    return list(_held(layout, ws, rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(layout: Layout, ws: int, rank: int) -> tuple[int, ...]:
+    """held(), decided once per (layout, ws, rank) in a process: every layer of a model repeats its layouts,
+    and a rank process meets the same ones case after case (the decision is element by element, slow)."""
+    return tuple(_decide(layout, ws, rank))
+
+
+def _decide(layout: Layout, ws: int, rank: int) -> list[int]:
     ones = [i for i in range(layout.size) if rank in owners(layout, ws, i)]
     if layout.vocab or (layout.groups or 1) > 1 or not any(len(s) > 2 and s[2] is not None for s in layout.sections):
         return ones
