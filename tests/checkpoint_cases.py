@@ -52,13 +52,16 @@ def _tensors(model: torch.nn.Module) -> dict:
 
 
 def from_pretrained_equals_apply(folder: str, class_names: list[str], dtype: str | None = None,
-                                 gap_bytes: int | None = None, block_rows: int | None = None, **hf_kwargs) -> dict:
+                                 gap_bytes: int | None = None, block_rows: int | None = None,
+                                 logits_of: tuple[str, int] | None = None, **hf_kwargs) -> dict:
     """For each class: tpmap.from_pretrained against tpmap.apply on the model transformers loads, bit for bit
     (parameters, buffers, ties, generation config, loading info), and against the independent reference's
     slices of that unsharded model (tests/slicing_reference.py: neither the plan's pieces nor `take`); the
     bytes each rank read, and the blocks of rows read (``block_tensors`` tensors in ``blocks`` blocks).
     `gap_bytes`: engine.slice_io.GAP_BYTES for this call (0: every run read on its own, no gaps read);
-    `block_rows`: engine.slice_io.BLOCK_ROWS (blocks of that many rows, so small tensors span many blocks)."""
+    `block_rows`: engine.slice_io.BLOCK_ROWS (blocks of that many rows, so small tensors span many blocks).
+    `logits_of`: (mapping, verify index) whose example inputs both models also run (``max_diff`` of the sharded
+    main output from the unsharded one, and its ``scale``)."""
     from tpmap.engine import slice_io
 
     ws = dist.get_world_size() if dist.is_initialized() else 1
@@ -81,7 +84,7 @@ def from_pretrained_equals_apply(folder: str, class_names: list[str], dtype: str
         out = {}
         for name in class_names:
             counts.update(block_tensors=0, blocks=0)
-            out[name] = {**_equals_apply(folder, name, torch_dtype, ws, hf_kwargs), **counts}
+            out[name] = {**_equals_apply(folder, name, torch_dtype, ws, hf_kwargs, logits_of), **counts}
         return out
     finally:
         slice_io.GAP_BYTES, slice_io.BLOCK_ROWS, slice_io._read_in_blocks = saved
@@ -101,13 +104,20 @@ def _reference(full: torch.nn.Module, ws: int) -> dict:
     return {k: splits[k].local(v, ws, rank) if k in splits else v.detach().clone() for k, v in tensors.items()}
 
 
-def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict) -> dict:
+def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict,
+                  logits_of: tuple[str, int] | None = None) -> dict:
     """One class: both loads, compared; the reference slices of the unsharded load; the bytes tpmap read and
-    the bytes the rank keeps."""
+    the bytes the rank keeps; the main outputs on `logits_of`'s example inputs, where given."""
     cls = getattr(transformers, name)
     torch.manual_seed(0)  # missing weights are drawn from the same stream in both
     full, info_hf = cls.from_pretrained(folder, dtype=torch_dtype, output_loading_info=True, **hf_kwargs)
     reference = _reference(full, ws)
+    logits = {}
+    if logits_of is not None:  # on a copy: a forward may add state (caches) that apply would then carry
+        unsharded = copy.deepcopy(full)
+        logits["inputs"] = verify.case_inputs(*logits_of, unsharded)
+        with torch.no_grad():
+            logits["want"] = verify.main_output(unsharded(**logits["inputs"]))
     want = tpmap.apply(full, ws)
     torch.manual_seed(0)
     with _CountReads() as reads:
@@ -131,7 +141,17 @@ def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict)
         "training": got.training,
         "read": reads.bytes,
         "kept": sum(t.numel() * t.element_size() for t, _ in _unique(got)),
+        **_logits(got, logits),
     }
+
+
+def _logits(got: torch.nn.Module, logits: dict) -> dict:
+    """The loaded sharded model's main output against the unsharded one (`logits` from _equals_apply)."""
+    if not logits:
+        return {}
+    with torch.no_grad():
+        out = verify.main_output(got(**logits["inputs"]))
+    return {"max_diff": (out - logits["want"]).abs().max().item(), "scale": logits["want"].abs().max().item()}
 
 
 def _unique(model):
@@ -148,13 +168,11 @@ def _tie_groups(model) -> list[list[str]]:
     return list(groups.values())
 
 
-def save_sharded(ref: str, verify_index: int, class_name: str, folder: str, **hf_kwargs) -> dict:
-    """apply -> tpmap.save_pretrained; returns the unsharded model's state dict (rank 0) for comparison."""
-    full = verify.build_model(ref, verify_index, class_name)
-    want = {k: v.clone() for k, v in full.state_dict().items()}
-    model = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=verify.resolve(ref))
+def save_sharded(ref: str, verify_index: int, class_name: str, folder: str, **hf_kwargs) -> None:
+    """apply -> tpmap.save_pretrained (the test compares the files with transformers' save of the same model)."""
+    model = tpmap.apply(verify.build_model(ref, verify_index, class_name), dist.get_world_size(),
+                        mapping=verify.resolve(ref))
     tpmap.save_pretrained(model, folder, **hf_kwargs)
-    return {"state": want if dist.get_rank() == 0 else None}
 
 
 def logits_from_pretrained(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
