@@ -147,11 +147,12 @@ def pytest_collection_modifyitems(config, items):
     _LEFT_TO_FULL.append(len(left))
 
 
-# --- time per architecture -------------------------------------------------------------------------
+# --- time per architecture and per file ----------------------------------------------------------
 # Every parametrized test that names a model type adds its wall time, setup included, to that model
 # type. The terminal summary prints the slowest ones and the totals; `TPMAP_SUITE_TIMES=FILE` also
 # writes them all as JSON.
 _SECONDS_BY_ARCH: dict[str, float] = {}
+_SECONDS_BY_FILE: dict[str, float] = {}  # every test, by its file: where CI's time goes
 _SESSION_START = time.perf_counter()
 
 
@@ -159,6 +160,8 @@ _SESSION_START = time.perf_counter()
 def pytest_runtest_protocol(item, nextitem):
     start = time.perf_counter()
     yield
+    path = item.nodeid.split("::")[0]
+    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + time.perf_counter() - start
     arch = _architecture(item)
     if arch is not None:
         _SECONDS_BY_ARCH[arch] = _SECONDS_BY_ARCH.get(arch, 0.0) + time.perf_counter() - start
@@ -169,9 +172,13 @@ def pytest_terminal_summary(terminalreporter):
     if _LEFT_TO_FULL and _LEFT_TO_FULL[-1]:
         left = _LEFT_TO_FULL[-1]
         write(f"default tier: {left} test{'s' * (left != 1)} left to the full tier (pytest --full runs them)")
+    wall = time.perf_counter() - _SESSION_START
+    if len(_SECONDS_BY_FILE) > 1:
+        per_file = sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])
+        write(f"time per file ({wall:.0f} s wall): " + ", ".join(
+            f"{path.removeprefix('tests/')} {seconds:.0f}s" for path, seconds in per_file[:15]))
     if not _SECONDS_BY_ARCH:
         return
-    wall = time.perf_counter() - _SESSION_START
     per_arch = sorted(_SECONDS_BY_ARCH.items(), key=lambda kv: -kv[1])
     total = sum(_SECONDS_BY_ARCH.values())
     write(f"time per architecture: {len(per_arch)} model types, {total:.0f} s of {wall:.0f} s wall "
@@ -181,4 +188,5 @@ def pytest_terminal_summary(terminalreporter):
     if out:
         with open(out, "w") as f:
             json.dump({"wall_s": round(wall, 1), "architectures_s": round(total, 1),
+                       "per_file_s": {p: round(s, 1) for p, s in sorted(_SECONDS_BY_FILE.items())},
                        "per_architecture_s": {a: round(s, 2) for a, s in per_arch}}, f, indent=1)
