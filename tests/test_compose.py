@@ -233,11 +233,11 @@ def test_values_inputs_need_one_value_per_element_of_the_last_dimension():
     base = mapping_text("llava_next")
     values = "values: [vision_config.image_size, 2 * vision_config.image_size]"
     with pytest.raises(MappingErrors, match="kind: values needs `values`"):
-        source.load_text(replaced(base, values, "values: []", once=True), "x.yaml")
+        source.load_text(replaced(base, values, "values: []"), "x.yaml")
     with pytest.raises(MappingErrors, match="only it takes them"):
-        source.load_text(replaced(base, "kind: values,", "kind: ids,", once=True), "x.yaml")
+        source.load_text(replaced(base, "kind: values,", "kind: ids,"), "x.yaml")
     model = verify.build_model("llava_next", 0, "LlavaNextModel")
-    loaded = source.load_text(replaced(base, values, values[:-1] + ", 1]", once=True), "x.yaml")
+    loaded = source.load_text(replaced(base, values, values[:-1] + ", 1]"), "x.yaml")
     with pytest.raises(MissingInputError, match="3 values for a last dimension of 2"):
         verify.example_inputs(model, loaded.mapping.verify[0].inputs)
 
@@ -304,20 +304,20 @@ def test_float_inputs_take_a_grid_of_two_sizes_with_a_shape_that_holds_its_patch
     base = mapping_text("pix2struct")
     declared = "kind: float, grid: [4, 4]"
     with pytest.raises(MappingErrors, match=r"kind: grid needs `grid: \[width, height\]`.* kind: float"):
-        source.load_text(replaced(base, declared, "kind: float, grid: [16]", once=True), "x.yaml")
+        source.load_text(replaced(base, declared, "kind: float, grid: [16]"), "x.yaml")
     with pytest.raises(MappingErrors, match="this input's kind is 'mask'"):
-        source.load_text(replaced(base, declared, "kind: mask, grid: [4, 4]", once=True), "x.yaml")
+        source.load_text(replaced(base, declared, "kind: mask, grid: [4, 4]"), "x.yaml")
     model = verify.build_model("pix2struct", 0, "Pix2StructForConditionalGeneration")
-    loaded = source.load_text(replaced(base, declared, "kind: float, grid: [4, 2]", once=True), "x.yaml")
+    loaded = source.load_text(replaced(base, declared, "kind: float, grid: [4, 2]"), "x.yaml")
     with pytest.raises(MissingInputError, match=r"a 4 x 2 grid has 8 patches, each led by its \(row, column\), so its "
                                                 r"last two dimensions are \[8, 2 \+ features\], not \[16, 50\]"):
         verify.example_inputs(model, loaded.mapping.verify[0].inputs)
     # lint evaluates the grid's expressions: a misspelt attribute is named where it stands
-    text = replaced(base, declared, "kind: float, grid: [vision_config.grid_width, 4]", once=True)
+    text = replaced(base, declared, "kind: float, grid: [vision_config.grid_width, 4]")
     found = lint_file(str(write_mapping(tmp_path, "pix2struct", text)))
     assert [d.rule for d in found] == ["config-attribute"]
     assert "flattened_patches" in found[0].message and "grid_width" in found[0].message
-    text = replaced(base, declared, "kind: float, grid: [2 * 2, 4]", once=True)
+    text = replaced(base, declared, "kind: float, grid: [2 * 2, 4]")
     assert lint_file(str(write_mapping(tmp_path, "ok", text))) == []
 
 
