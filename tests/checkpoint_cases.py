@@ -112,12 +112,8 @@ def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict,
     torch.manual_seed(0)  # missing weights are drawn from the same stream in both
     full, info_hf = cls.from_pretrained(folder, dtype=torch_dtype, output_loading_info=True, **hf_kwargs)
     reference = _reference(full, ws)
-    logits = {}
-    if logits_of is not None:  # on a copy: a forward may add state (caches) that apply would then carry
-        unsharded = copy.deepcopy(full)
-        logits["inputs"] = verify.case_inputs(*logits_of, unsharded)
-        with torch.no_grad():
-            logits["want"] = verify.main_output(unsharded(**logits["inputs"]))
+    # on a copy: a forward may add state (caches) that apply would then carry
+    logits = _unsharded_output(copy.deepcopy(full), *logits_of) if logits_of is not None else {}
     want = tpmap.apply(full, ws)
     torch.manual_seed(0)
     with _CountReads() as reads:
@@ -145,8 +141,15 @@ def _equals_apply(folder: str, name: str, torch_dtype, ws: int, hf_kwargs: dict,
     }
 
 
+def _unsharded_output(full: torch.nn.Module, ref: str, verify_index: int) -> dict:
+    """The example inputs of a verify config and the unsharded model's main output on them."""
+    inputs = verify.case_inputs(ref, verify_index, full)
+    with torch.no_grad():
+        return {"inputs": inputs, "want": verify.main_output(full(**inputs))}
+
+
 def _logits(got: torch.nn.Module, logits: dict) -> dict:
-    """The loaded sharded model's main output against the unsharded one (`logits` from _equals_apply)."""
+    """A loaded sharded model's main output against the unsharded one (`logits` from _unsharded_output)."""
     if not logits:
         return {}
     with torch.no_grad():
@@ -180,12 +183,8 @@ def logits_from_pretrained(ref: str, verify_index: int, class_name: str, folder:
     (the model it was saved from, except what transformers recomputes on load: Marian's sinusoidal positions)."""
     import transformers
 
-    full = getattr(transformers, class_name).from_pretrained(folder)
-    inputs = verify.case_inputs(ref, verify_index, full)
-    model = tpmap.from_pretrained(folder, model_class=class_name, mapping=verify.resolve(ref))
-    with torch.no_grad():
-        want, got = verify.main_output(full(**inputs)), verify.main_output(model(**inputs))
-    return {"max_diff": (want - got).abs().max().item(), "scale": want.abs().max().item()}
+    logits = _unsharded_output(getattr(transformers, class_name).from_pretrained(folder), ref, verify_index)
+    return _logits(tpmap.from_pretrained(folder, model_class=class_name, mapping=verify.resolve(ref)), logits)
 
 
 def load_error(folder: str, **kwargs) -> dict:
