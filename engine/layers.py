@@ -57,12 +57,13 @@ class ColumnParallelLinear(_TPModule):
     shared_copy = None  # collectives.SharedCopy of the Columns of one module (engine.shard), else None
 
     def __init__(self, weight, bias, *, reverse: bool, group, gather_order=None, gather_output=False,
-                 copy_input=True, gathered_features: int | None = None):
+                 copy_input=True, gathered_features: int | None = None, gather_width: int | None = None):
         super().__init__(group)
         self.weight, self.bias, self.reverse = weight, bias, reverse
         self.gather_output, self.copy_input = gather_output, copy_input
         assert gathered_features is not None or not gather_output, "gather_output needs the full output width"
         self.gathered_features = gathered_features  # the full output width, returned with gather_output
+        self.gather_width = gather_width  # uneven split: every rank's output padded to the widest before gathering
         self.register_buffer("gather_order", gather_order, persistent=False)
 
     @property
@@ -87,6 +88,8 @@ class ColumnParallelLinear(_TPModule):
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
+            if self.gather_width is not None and y.shape[-1] < self.gather_width:  # (..., out_r) -> (..., max out_r)
+                y = F.pad(y, (0, self.gather_width - y.shape[-1]))
             return gather_from_tp_region(y, self.tp_group, self.gather_order)
         if self.training and not (self.seq is not None and self.seq.active):  # (SP: the block entered it)
             # what follows, up to the Row, is sharded: rank-specific dropout (engine.rng)

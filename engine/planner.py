@@ -323,8 +323,8 @@ class Planner:
         """(pieces per rank, replicated) of a dimension of `dim_size` features laid out as `entry` says.
 
         A dimension the world size does not divide is split unevenly (`engine.pieces`) only where `uneven_ok`
-        is "" (Column and Row on nn.Linear / Conv1D, Norm, Param on bare tensors); elsewhere `uneven_ok` names
-        the path, refused here. With `element_size` (stacked experts, `stacked_element_size`) plain sections are
+        is "" (Column and Row, Norm, Param on bare tensors); elsewhere `uneven_ok` names the path, refused
+        here. With `element_size` (stacked experts, `stacked_element_size`) plain sections are
         split in 16-byte units (`engine.pieces.aligned`), unevenly where the units do not divide: every rank's
         width stays aligned (and such a split is never refused: only sections without a unit are)."""
         def fail(message: str, key: tuple) -> TpmapError:
@@ -407,9 +407,7 @@ class Planner:
         for pname, _ in module.named_parameters(recurse=False):
             self.claim(f"{full}.{pname}", ctx)
         w = module.weight
-        path = ("a Column of an nn.Embedding" if isinstance(module, nn.Embedding) else
-                "a Column with gather_output" if column and entry.gather_output else "")
-        pieces, replicated = self.layout(entry, w.shape[dim], ctx, full, replicate=column, uneven_ok=path)
+        pieces, replicated = self.layout(entry, w.shape[dim], ctx, full, replicate=column)
         if replicated and column and entry.gather_output:
             raise ctx.error(DivisibilityError, f"{full}: gather_output cannot be combined with replicated heads "
                             f"at world size {self.tp_size}", "gather_output", rule="divisibility")
@@ -487,7 +485,11 @@ class Planner:
 
     # -- Input -------------------------------------------------------------------------------------
     def input(self, entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> None:
-        self.inputs.append(input_slice(entry, ctx, module, full))
+        spec = input_slice(entry, ctx, module, full)
+        if split.uneven_section(spec.heads, spec.heads, None, ctx.tp_size, True):
+            self.uneven.append(f"{full}({entry.argument})")
+        self.layouts.append(([(spec.heads, spec.heads)], True))
+        self.inputs.append(spec)
 
     # -- Norm --------------------------------------------------------------------------------------
     def norm(self, entry: Norm, ctx: EntryContext, module: nn.Module, full: str) -> None:
@@ -620,10 +622,10 @@ def input_slice(entry: Input, ctx: EntryContext, module: nn.Module, full: str) -
     def fail(message: str, key: tuple) -> TpmapError:
         return ctx.error(DivisibilityError, f"{full}({entry.argument}): {message}", "heads", rule="divisibility")
 
-    if split.uneven_section(heads, heads, None, ctx.tp_size, True):
-        raise uneven_refused(ctx, f"{full}({entry.argument})", "an Input entry", ctx.tp_size, [(heads, heads, None)],
-                             True)
-    pieces, _ = split.split_sections([(heads, heads)], ctx.tp_size, True, fail, lambda k: ("heads",))
+    # the same balanced rule as the query heads of the module's projections, so each rank keeps its own heads
+    pieces, _ = split.split_sections([(heads, heads)], ctx.tp_size, True, fail, lambda k: ("heads",),
+                                     allow_uneven=True)
+    assert all(len(p) == 1 for p in pieces), ("a rank's heads of an Input are one contiguous run", pieces)
     return InputSlice(module=full, argument=entry.argument, position=params.index(entry.argument),
                       dim=entry.dim, heads=heads,
                       head_index=tuple(tuple(i for s, n in p for i in range(s, s + n)) for p in pieces),
@@ -639,8 +641,8 @@ def uneven_refused(ctx: EntryContext, name: str, path: str, tp_size: int, sectio
     """The error for a dimension that only an uneven split fits, on a path not proven uneven."""
     works = ", ".join(map(str, even_world_sizes(sections, replicate)))
     return ctx.error(UnevenSplitError, f"{name}: world size {tp_size} splits it unevenly, and uneven splits are "
-                     f"not supported for {path} (only for Column and Row on nn.Linear / Conv1D, Norm entries and "
-                     f"Param entries on bare tensors); world sizes that split it evenly: {works}", "module",
+                     f"not supported for {path} (only for Column, Row, Input and Norm entries and Param entries on "
+                     f"bare tensors); world sizes that split it evenly: {works}", "module",
                      rule="divisibility")
 
 

@@ -111,14 +111,25 @@ def norm_copies(shard: ParamLayout | None, rank: int, weight) -> torch.Tensor | 
     return torch.tensor([count[i] for i in shard.indices(rank)], dtype=torch.long, device=weight.device)
 
 
+def gather_width(shard: ParamLayout) -> int | None:
+    """For Column gather_output at an uneven split: the widest rank's width, to which every rank pads its
+    output so that the all-gather moves equal blocks; None when every rank holds the same width."""
+    widths = {len(shard.indices(r)) for r in range(len(shard.pieces))}
+    return max(widths) if len(widths) > 1 else None
+
+
 def gather_order(shard: ParamLayout) -> torch.Tensor | None:
-    """For Column gather_output: position in the rank-major all-gather of each full feature, or None if
-    the all-gather is already in feature order."""
-    concat = [i for r in range(len(shard.pieces)) for i in shard.indices(r)]
-    if concat == list(range(len(concat))):
-        return None
-    where = {feature: pos for pos, feature in enumerate(concat)}
-    return torch.tensor([where[f] for f in range(len(concat))], dtype=torch.long)
+    """For Column gather_output: position in the rank-major all-gather (of blocks padded to `gather_width`
+    at an uneven split) of each full feature, or None if the all-gather is already in feature order."""
+    width, ranks = gather_width(shard), range(len(shard.pieces))
+    if width is None:
+        concat = [i for r in ranks for i in shard.indices(r)]
+        if concat == list(range(len(concat))):
+            return None
+        where = {feature: pos for pos, feature in enumerate(concat)}
+    else:  # rank r's j-th feature sits at r * width + j
+        where = {feature: r * width + j for r in ranks for j, feature in enumerate(shard.indices(r))}
+    return torch.tensor([where[f] for f in range(len(where))], dtype=torch.long)
 
 
 def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Module:
@@ -143,7 +154,8 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         order = order.to(weight.device) if order is not None else None  # the shard's device (old may be on meta)
         new = ColumnParallelLinear(weight, bias, reverse=ms.reverse, group=group,
                                    gather_order=order, gather_output=ms.gather_output, copy_input=ms.copy_input,
-                                   gathered_features=ms.weight.full_shape[1 if ms.reverse else 0])
+                                   gathered_features=ms.weight.full_shape[1 if ms.reverse else 0],
+                                   gather_width=gather_width(ms.weight) if ms.gather_output else None)
     else:
         new = RowParallelLinear(weight, bias, reverse=ms.reverse, group=group)
     new.train(old.training)

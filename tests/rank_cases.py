@@ -8,6 +8,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import transformers
 
 import tpmap
 from tpmap import verify
@@ -91,6 +92,45 @@ def gather_output_case() -> float:
         want = full.transformer.h[0].attn.c_attn(x)
         got = sharded.transformer.h[0].attn.c_attn(x)
     return (want - got).abs().max().item()
+
+
+def uneven_gather_output_case(n_head: int) -> dict:
+    """GPT-2's fused c_attn (Conv1D, [q | k | v] of n_head heads) as a Column with gather_output, in fp64: its
+    output, the input's gradient and this rank's weight and bias gradients against the unsharded module's
+    (sliced by tests/slicing_reference.py). With n_head heads that the world size does not divide, ranks hold
+    different widths: each pads its output to the widest before the all-gather, and the gather puts the
+    features back in order."""
+    import slicing_reference as ref
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    loaded = verify.resolve("gpt2")
+    entries = [loaded.mapping.entries[0].model_copy(update={"gather_output": True})]  # c_attn alone
+    loaded = dataclasses.replace(loaded, mapping=loaded.mapping.model_copy(update={"entries": entries,
+                                                                                   "uneven": True}))
+    config = verify.tiny_config("gpt2", 0)
+    config.n_head, config.n_embd, config.n_layer = n_head, 8 * n_head, 1
+    torch.manual_seed(0)
+    full = transformers.GPT2LMHeadModel(config).double()
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    sharded = tpmap.apply(copy.deepcopy(full), ws, mapping=loaded)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, config.n_embd, generator=generator, dtype=torch.float64)
+    w = torch.randn(2, 5, 3 * config.n_embd, generator=generator, dtype=torch.float64)
+    out = {}
+    for name, model in (("full", full), ("sharded", sharded)):
+        xi = x.clone().requires_grad_(True)
+        y = model.transformer.h[0].attn.c_attn(xi)
+        (y * w).sum().backward()
+        out[name] = (y.detach(), xi.grad, model.transformer.h[0].attn.c_attn)
+    (y_full, dx_full, c_full), (y, dx, c) = out["full"], out["sharded"]
+    layout = ref.Layout(3 * config.n_embd, sections=tuple((config.n_embd, n_head) for _ in range(3)))
+    want_w = ref.local_slice(c_full.weight.grad, 1, layout, ws, rank)  # Conv1D: [in, out]
+    want_b = ref.local_slice(c_full.bias.grad, 0, layout, ws, rank)
+    scale = y_full.abs().max().item()
+    return {"widths": c.weight.shape[1], "y": (y - y_full).abs().max().item() / scale,
+            "dx": (dx - dx_full).abs().max().item() / dx_full.abs().max().item(),
+            "dw": (c.weight.grad - want_w).abs().max().item() / want_w.abs().max().item(),
+            "db": (c.bias.grad - want_b).abs().max().item() / want_b.abs().max().item()}
 
 
 def subclass_embedding_case(ref: str, verify_index: int, class_name: str) -> dict:

@@ -294,6 +294,36 @@ def test_sequence_parallelism_at_an_uneven_world_size_equals_plain_tp_and_unshar
         assert r["same_as_full"] and r["same_as_tp"] and r["block1_tokens"][0] == 8 // ws, r
 
 
+@pytest.mark.parametrize("n_head", [8, 6])  # 8 at 3: 3/3/2 heads per section, padded; 6 at 3: the even path
+def test_a_gathered_column_split_unevenly_returns_the_full_output_and_exact_gradients(ranks, n_head):
+    """gather_output at an uneven split: each rank pads its output to the widest before the all-gather, and
+    the backward hands each rank the gradient of its own features (fused [q | k | v]: reordered too)."""
+    per_rank = ranks(3).run(rank_cases.uneven_gather_output_case, n_head)
+    assert [r["widths"] for r in per_rank] == ([72, 72, 48] if n_head == 8 else [48, 48, 48]), per_rank
+    for r in per_rank:
+        assert max(r["y"], r["dx"], r["dw"], r["db"]) < 1e-12, r
+
+
+# Shipped verify configs that split an Input entry's heads, a gathered Column or an nn.Embedding Column
+# unevenly at 3 ranks: forward, fp32 and fp64 gradients per shard against the unsharded model
+UNEVEN_PATHS = [
+    pytest.param("mpt", "uneven3", "MptForCausalLM", id="input-position_bias-10-heads"),
+    pytest.param("t5", "uneven3", "T5ForConditionalGeneration", id="embedding-column-relative-bias-8-heads"),
+    pytest.param("bloom", "uneven3", "BloomForCausalLM", id="input-flattened-alibi-8-heads", marks=pytest.mark.full),
+    pytest.param("falcon", "alibi-uneven3", "FalconForCausalLM", id="input-alibi-and-mask", marks=pytest.mark.full),
+    pytest.param("squeezebert", "uneven3", "SqueezeBertForSequenceClassification", id="gathered-pooler",
+                 marks=pytest.mark.full),
+]
+
+
+@pytest.mark.parametrize("model_type,config_name,cls", UNEVEN_PATHS)
+def test_inputs_gathered_columns_and_embedding_columns_are_exact_at_an_uneven_split(ranks, model_type,
+                                                                                       config_name, cls):
+    index = next(i for i, v in enumerate(verify.resolve(model_type).mapping.verify) if v.name == config_name)
+    per_rank = ranks(3).run(rank_cases.prove_case, model_type, index, cls, True, False)
+    _assert_exact(model_type, index, cls, 3, per_rank, generate=False)
+
+
 @pytest.mark.full  # 5 ranks
 def test_bert_with_12_heads_is_exact_at_world_size_5(ranks, tmp_path):
     ref, index = _with_case(tmp_path, "bert", BERT_12_AT_5)
