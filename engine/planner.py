@@ -207,8 +207,8 @@ def attribute_path(config, name: str):
 
 # A Param path not proven uneven: a tensor of 3 or more dims split along another dim than its first, as stacked
 # experts [E, 2I, H] split along the intermediate width (grouped_mm's alignment, per-rank widths unproven).
-STACKED_PARAM = ("a Param entry on a tensor of 3 or more dims split along another dim than the first (grouped "
-                 "experts) whose width is not a multiple of 16 bytes")
+STACKED_PARAM = ("a plain width of a Param entry's tensor of 3 or more dims split along another dim than the first "
+                 "(grouped experts) that is not a multiple of 16 bytes")
 
 
 class Planner:
@@ -345,7 +345,8 @@ class Planner:
             sections = [split.aligned(s, element_size) for s in sections]
         grouped = groups is not None and groups > 1
         uneven = [s for s in sections if split.uneven_at(s, self.tp_size, replicate)]
-        if any(split.parts(s)[3] == 1 for s in uneven) and not grouped and uneven_ok:
+        # only plain sections without a unit are refused: heads are never a grouped matmul's split width
+        if uneven_ok and not grouped and any(split.parts(s)[1] is None and split.parts(s)[3] == 1 for s in uneven):
             raise uneven_refused(ctx, name, uneven_ok, self.tp_size, sections, replicate)
         if grouped:
             return split.split_groups(groups, group_width, sections, self.tp_size, replicate, fail, heads_key)

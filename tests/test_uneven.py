@@ -194,7 +194,8 @@ def test_kv_heads_without_query_heads_are_refused_at_an_uneven_world_size():
 
 @pytest.mark.parametrize("model_type,config,path,works", [
     ("mixtral", dict(num_attention_heads=8, num_key_value_heads=8, intermediate_size=99, num_local_experts=4),
-     "a Param entry on a tensor of 3 or more dims split along another dim than the first (grouped experts)",
+     "a plain width of a Param entry's tensor of 3 or more dims split along another dim than the first (grouped "
+     "experts)",
      "1, 3, 9, 11"),
 ])
 def test_unproven_paths_are_refused_with_the_world_sizes_that_work(model_type, config, path, works):
