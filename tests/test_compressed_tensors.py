@@ -35,6 +35,10 @@ FAMILIES = {
     # (a rank's rows of the data and scales in several pieces)
     "phi3": ("phi3", dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4,
                           vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # SmolLM2's 9 query / 3 KV heads (head_dim 16): an uneven split at 2 and 4 (KV heads held by two ranks) whose
+    # boundaries fall on W4A16's groups of 16 (o_proj's input 80/64 at 2, 48/32/32/32 at 4)
+    "llama-9q3kv": ("llama", dict(hidden_size=144, intermediate_size=320, num_attention_heads=9, num_key_value_heads=3,
+                                  vocab_size=128)),
     # experts stored one Linear each, fused into 3-D experts by transformers' conversion (dequantized first)
     "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                                 num_local_experts=4, num_experts_per_tok=2, vocab_size=128)),

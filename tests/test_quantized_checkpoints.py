@@ -91,6 +91,10 @@ LAYOUTS = {
     # per-expert 2-D weights fused into 3-D experts by transformers' conversion: each dequantized, then converted
     "mixtral-32": ("mixtral", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                    num_local_experts=4, num_experts_per_tok=2, vocab_size=128), (32, 32), _projections),
+    # SmolLM2's 9 query / 3 KV heads, intermediate 99: an uneven split at 2 (5/4 heads, KV heads held by both
+    # ranks) and 4; every boundary falls inside a block somewhere
+    "llama-9q3kv-16x32": ("llama", dict(hidden_size=72, intermediate_size=99, num_attention_heads=9,
+                                        num_key_value_heads=3, vocab_size=122), (16, 32), _every_matrix),
 }
 FULL = {"mixtral-32"}
 

@@ -153,11 +153,13 @@ def _dequantizer(checkpoint: Checkpoint, folder: Path, config):
 
 def _quantization(opened: _Opened, plan: Plan, torchao_config, folder: Path):
     """The last checks of step 2: a compressed-tensors group a shard boundary would cut, and quantization_config=
-    on a checkpoint stored quantized, are refused. Returns step 5's quantization (None: not asked)."""
+    on a checkpoint stored quantized, are refused. Returns step 5's quantization (None: not asked). A checkpoint
+    stored quantized is dequantized as it is read, so an uneven plan reads it like an even one (FP8 blocks may be
+    cut anywhere; a compressed-tensors group a boundary cuts is refused either way); quantization_config= makes
+    torchao tensors, which are not proven on uneven splits."""
     model, loaded, dequantizer = opened.model, opened.loaded, opened.dequantizer
-    if dequantizer is not None or torchao_config is not None:
-        plan.refuse_uneven(f"a checkpoint stored quantized ({folder})" if dequantizer is not None
-                           else "quantization_config=")
+    if torchao_config is not None:
+        plan.refuse_uneven("quantization_config=")
 
     def plan_at(tp_size: int):
         return _plan_or_none(model, loaded, tp_size)
