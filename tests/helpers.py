@@ -36,6 +36,14 @@ def write_mapping(folder: Path, name: str, text: str) -> Path:
     return path
 
 
+def not_proven_uneven(folder: Path, model_type: str) -> Path:
+    """A shipped mapping without its `uneven: true` line (a mapping not proven at uneven world sizes), written to
+    folder/MODEL_TYPE.yaml."""
+    text = mapping_text(model_type)
+    line = next(x for x in text.splitlines(keepends=True) if x.startswith("uneven: true"))
+    return write_mapping(folder, model_type, replaced(text, line, "", once=True))
+
+
 def edited_copy(folder: Path, name: str, origin: str, old: str, new: str, *, every: bool = False,
                 once: bool = False) -> Path:
     """A copy of a shipped mapping or mapping file with one edit (see edited), written to folder/NAME.yaml."""

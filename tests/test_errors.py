@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import rank_cases
 import torch
-from helpers import edited, mapping_text
+from helpers import edited, mapping_text, not_proven_uneven
 
 import tpmap
 from tpmap import verify
@@ -38,14 +38,15 @@ def test_all_errors_are_value_errors():
         assert issubclass(cls, ValueError)
 
 
-def test_world_size_that_does_not_divide_the_heads():
+def test_world_size_that_does_not_divide_the_heads(tmp_path):
     model = verify.build_model("gpt2", 0, "GPT2LMHeadModel")
     with pytest.raises(DivisibilityError) as e:  # more ranks than heads
         tpmap.plan(model, 13)
     msg = str(e.value)
     assert "gpt2.yaml:" in msg and "12 heads" in msg and "world size 13" in msg and "transformer.h.0.attn.c_attn" in msg
-    with pytest.raises(DivisibilityError) as e:  # 12 heads at 5: an uneven split, and gpt2 is not proven uneven
-        tpmap.plan(model, 5)
+    unproven = str(not_proven_uneven(tmp_path, "gpt2"))
+    with pytest.raises(DivisibilityError) as e:  # 12 heads at 5: an uneven split, of a mapping not proven uneven
+        tpmap.plan(model, 5, mapping=unproven)
     msg = str(e.value)
     assert "gpt2.yaml:" in msg and "transformer.h.0.attn.c_attn would be split unevenly at world size 5" in msg
     assert "world sizes that split this model evenly: 1, 2, 3, 4, 6, 12" in msg, msg

@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+from helpers import not_proven_uneven
+
 import tpmap
 from tpmap import cli, verify
 from tpmap.engine.shard import gather_order, take
@@ -84,12 +86,13 @@ def test_plan_reads_no_tensor_data():
     assert tpmap.plan(real, 4).params == tpmap.plan(meta_model("gpt_neox"), 4).params
 
 
-def test_plan_cli_prints_table(capsys):
+def test_plan_cli_prints_table(capsys, tmp_path):
     assert cli.main(["plan", "llama", "-n", "4"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.k_proj.weight" in out and "r3:8:8" in out
-    assert cli.main(["plan", "gpt2", "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8: uneven
-    err = capsys.readouterr().err  # and gpt2 is not proven uneven
+    unproven = str(not_proven_uneven(tmp_path, "gpt2"))
+    assert cli.main(["plan", unproven, "-n", "8", "--default-config", "--rank", "0"]) == 1  # 12 heads / 8: uneven
+    err = capsys.readouterr().err  # and this copy of gpt2's mapping is not proven uneven
     assert "transformer.h.0.attn.c_attn would be split unevenly at world size 8" in err and "uneven: true" in err, err
     assert cli.main(["plan", "gpt2", "-n", "13", "--default-config", "--rank", "0"]) == 1  # fewer heads than ranks
     assert "12 heads cannot be split over world size 13" in capsys.readouterr().err

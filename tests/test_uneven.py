@@ -17,7 +17,7 @@ import rank_cases
 import slicing_reference
 import torch
 import transformers
-from helpers import edited, mapping_text, write_mapping
+from helpers import edited, mapping_text, not_proven_uneven, write_mapping
 
 import tpmap
 from tpmap import verify
@@ -147,12 +147,14 @@ def _meta_llama(**config):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config}))
 
 
-def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size():
+def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size(tmp_path):
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(verify.tiny_config("gpt2"))
+    unproven = str(not_proven_uneven(tmp_path, "gpt2"))  # gpt2's mapping without its `uneven: true`
     with pytest.raises(UnevenSplitError, match=r"not proven at uneven world sizes \(no `uneven: true`\); world "
                        "sizes that split this model evenly: 1, 2, 3, 4, 6, 12"):
-        tpmap.plan(model, 5)
+        tpmap.plan(model, 5, mapping=unproven)
+    assert tpmap.plan(model, 5).uneven  # the shipped mapping is proven (its uneven3 config)
 
 
 def test_a_module_list_of_kv_heads_shared_by_two_ranks_is_refused_naming_sizes_that_work():
