@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from helpers import not_proven_uneven
 
 import tpmap
