@@ -99,7 +99,7 @@ def test_missing_config_attribute():
 
 
 def test_missing_module_attribute_in_update():
-    text = edited("gpt2", "      split_size: n_embd // tp_size", "      splitsize: n_embd // tp_size")
+    text = edited("gpt2", "      split_size: per_rank(n_head)", "      splitsize: per_rank(n_head)")
     fails_cleanly("gpt2", text, 1, tpmap.ModuleKindError, "has no attribute 'splitsize'", "did you mean split_size?")
 
 
@@ -155,7 +155,7 @@ def test_world_size_one_returns_the_model_unchanged():
 
 
 def test_invalid_expression_is_rejected_at_load():
-    text = edited("gpt2", "split_size: n_embd // tp_size", "split_size: __import__('os').getcwd()")
+    text = edited("gpt2", "split_size: per_rank(n_head) * (n_embd // n_head)", "split_size: __import__('os').getcwd()")
     with pytest.raises(MappingErrors) as e:
         source.load_text(text, "gpt2.yaml")
     assert "is not allowed in expression" in str(e.value)
