@@ -60,7 +60,8 @@ WRONG_MAPPINGS = {  # name: (model type, text of the shipped YAML, replacement, 
     "neox-as-combined-qkv": ("gpt_neox", "    heads: num_attention_heads\n  - kind: Row",
                              "    combined_qkv: true\n  - kind: Row", DIFFERENCE),
     # GPT-2 without the split_size update: q/k/v are cut at the full width, 2 pieces of this rank's 3 blocks
-    "gpt2-no-split-size": ("gpt2", "      split_size: n_embd // tp_size\n", "",
+    "gpt2-no-split-size": ("gpt2", "      split_size: per_rank(n_head) * (n_embd // n_head)   # per rank: 8 heads at 3 "
+                           "ranks are 3, 3, 2\n", "",
                            r"ValueError: not enough values to unpack \(expected 3, got 2\)"),
     # Phi-3 with the per-rank config copy missing: the attention takes this rank's fused qkv (48 + 2 * 16
     # features) all for queries, and o_proj (48 inputs per rank) gets 80
