@@ -145,14 +145,14 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        tp_size = dist.get_world_size(ctx.group)
-        if ctx.order is not None and ctx.order.numel() < tp_size * ctx.local:  # padded blocks: pads get zeros
-            padded = grad.new_zeros((*grad.shape[:-1], tp_size * ctx.local))
-            grad = padded.index_copy_(-1, ctx.order, grad)
-        elif ctx.order is not None:  # back to rank-major: position order[j] of the cat holds feature j
-            inverse = torch.empty_like(ctx.order)
-            inverse[ctx.order] = torch.arange(ctx.order.numel(), device=ctx.order.device)
-            grad = grad.index_select(-1, inverse)
+        if ctx.order is not None:  # back to rank-major: position order[j] of the cat holds feature j
+            gathered = dist.get_world_size(ctx.group) * ctx.local
+            if ctx.order.numel() < gathered:  # blocks padded to the widest rank: the pads get zeros
+                grad = grad.new_zeros((*grad.shape[:-1], gathered)).index_copy_(-1, ctx.order, grad)
+            else:
+                inverse = torch.empty_like(ctx.order)
+                inverse[ctx.order] = torch.arange(ctx.order.numel(), device=ctx.order.device)
+                grad = grad.index_select(-1, inverse)
         start = ctx.rank * ctx.local
         return grad[..., start : start + ctx.local].contiguous(), None, None, None
 
