@@ -333,25 +333,53 @@ class ShardedNorm(_TPModule):
     Ranks may hold different widths (uneven splits): F is the full count. `copies` (uneven key/value heads held
     on several ranks or twice on one): how many times each local feature is held over all ranks, each term of
     the sums divided by it so that every feature counts once (and its copies' gradients sum to the full one).
+
+    Per-group statistics (`group_size` G_s > 0, Mamba-2's gated norm): F is read as groups of G_s features and
+    each group has its own statistic, divided by G_s. With `local_groups` every rank holds whole groups and
+    computes them alone, as the unsharded module does (no collective); otherwise `groups` gives the group of
+    each local feature, and the per-group sums (..., F/G_s) are all-reduced. `gate` ("silu"): forward(x, gate)
+    normalizes x * silu(gate), gate (..., F/tp_size) split like x.
     """
 
-    def __init__(self, weight, bias, *, statistic: str, eps: float, features: int, group, copies=None):
+    def __init__(self, weight, bias, *, statistic: str, eps: float, features: int, group, copies=None,
+                 group_size: int = 0, groups=None, local_groups: bool = False, gate: str = ""):
         super().__init__(group)
+        assert not (local_groups and (copies is not None or groups is not None)), "local groups are held once"
         self.weight, self.bias = weight, bias
         self.statistic, self.eps, self.features = statistic, eps, features
+        self.group_size, self.local_groups, self.gate = group_size or features, local_groups, gate
         self.register_buffer("copies", copies, persistent=False)  # int64 (F_local,), or None: each held once
+        self.register_buffer("groups", groups, persistent=False)  # int64 (F_local,), or None: one group/local
 
-    def _sum(self, h):  # (..., F_local) -> (..., 1), summed over the ranks, each feature once
-        return sum_over_tp_region((h if self.copies is None else h / self.copies).sum(-1, keepdim=True),
-                                  self.tp_group)
+    def _sum(self, h):  # (..., F_local) -> the sums over the ranks, each feature once: (..., 1) or per feature
+        if self.copies is not None:
+            h = h / self.copies
+        if self.groups is None:
+            return sum_over_tp_region(h.sum(-1, keepdim=True), self.tp_group)
+        sums = h.new_zeros(*h.shape[:-1], self.features // self.group_size).index_add(-1, self.groups, h)
+        return sum_over_tp_region(sums, self.tp_group).index_select(-1, self.groups)  # (..., F_local)
 
-    def forward(self, x):  # (..., F/tp_size) -> (..., F/tp_size)
+    def _normalize(self, h):  # float32 (..., F_local)
+        if self.local_groups:  # whole groups on this rank: the unsharded module's own math, per local group
+            shape = h.shape
+            h = h.view(*shape[:-1], -1, self.group_size)  # (..., F_local/G_s, G_s)
+            if self.statistic == "layer":
+                h = h - h.mean(-1, keepdim=True)
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(shape)
+        if self.statistic == "layer":
+            h = h - self._sum(h) / self.group_size
+        squares = self._sum(h.pow(2))  # (..., 1) or (..., F_local)
+        return h * torch.rsqrt((squares if self.statistic == "l2" else squares / self.group_size) + self.eps)
+
+    def forward(self, x, gate=None):  # (..., F/tp_size) -> (..., F/tp_size)
         dtype = x.dtype
         h = x.to(torch.float32)
-        if self.statistic == "layer":
-            h = h - self._sum(h) / self.features
-        squares = self._sum(h.pow(2))  # (..., 1)
-        h = h * torch.rsqrt((squares if self.statistic == "l2" else squares / self.features) + self.eps)
+        if gate is not None:
+            if not self.gate:
+                raise TypeError("this norm was called with a gate, but its Norm entry declares none: add "
+                                "`gate: silu` to the entry (the gate multiplies x before the statistic)")
+            h = h * F.silu(gate.to(torch.float32))
+        h = self._normalize(h)
         y = h if self.weight is None else self.weight * h
         if self.bias is not None:
             y = y + self.bias
@@ -360,7 +388,10 @@ class ShardedNorm(_TPModule):
     def extra_repr(self) -> str:
         if self.weight is None:
             return f"{self.statistic}, no weight, eps={self.eps}"
-        return f"{self.statistic}, local={tuple(self.weight.shape)} of {self.features}, eps={self.eps}"
+        groups = "" if self.group_size == self.features else (
+            f", groups of {self.group_size}" + (" (local)" if self.local_groups else ""))
+        return (f"{self.statistic}, local={tuple(self.weight.shape)} of {self.features}{groups}, eps={self.eps}"
+                + (f", gate={self.gate}" if self.gate else ""))
 
 
 class RankModuleList(nn.ModuleList):

@@ -65,6 +65,8 @@ class ModuleShard:
     copy_input: bool = True  # Column: all-reduce the input's gradient (False after an Enter)
     statistic: Statistic = ""  # Norm: the statistic it computes
     eps: float = 0.0  # Norm: the module's epsilon
+    group_size: int = 0  # Norm: features per statistic group (0: one statistic over the whole dim)
+    gate: str = ""  # Norm: "silu" when the module takes x * silu(gate) before the statistic
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +168,8 @@ class Plan:
                 if p is None:
                     continue
                 style = m.style + ("+gather" if m.gather_output else "") + (" rev" if m.reverse else "") + (
-                    f" {m.statistic}" if m.statistic else "")
+                    f" {m.statistic}" if m.statistic else "") + (f" per {m.group_size}" if m.group_size else "") + (
+                    f" gate={m.gate}" if m.gate else "")
                 if p.dim is None:
                     rows.append((p.name, style, _shape(p.full_shape), "-", _shape(p.full_shape), "replicated"))
                     continue

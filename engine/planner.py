@@ -517,13 +517,18 @@ class Planner:
                             f"head would count twice in the statistic); use a world size that divides the heads",
                             "heads", rule="divisibility")
         # uneven key/value heads held more than once: ShardedNorm counts each once (engine.shard.norm_copies)
+        group_size = 0 if entry.group_size is None else ctx.eval(entry.group_size, "group_size")
+        if entry.group_size is not None and (group_size <= 0 or weight.shape[0] % group_size):
+            raise ctx.error(DivisibilityError, f"{full}: group_size {group_size} does not divide its "
+                            f"{weight.shape[0]} features into whole groups", "group_size", rule="divisibility")
         w = ParamLayout(name=f"{full}.weight", full_shape=tuple(weight.shape), dim=0, pieces=pieces,
                         replicated_heads=replicated)
         b = (ParamLayout(name=f"{full}.bias", full_shape=tuple(module.bias.shape), dim=0, pieces=pieces,
                          replicated_heads=replicated) if "bias" in own else None)
         self.shards.append(ModuleShard(name=full, style="norm", module_class=type(module).__name__, reverse=False,
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
-                                       statistic=entry.statistic, eps=eps))
+                                       statistic=entry.statistic, eps=eps, group_size=group_size,
+                                       gate=entry.gate or ""))
 
 
 def stacked_element_size(tensor, holder: str, dim: int) -> int:

@@ -111,6 +111,25 @@ def norm_copies(shard: ParamLayout | None, rank: int, weight) -> torch.Tensor | 
     return torch.tensor([count[i] for i in shard.indices(rank)], dtype=torch.long, device=weight.device)
 
 
+def norm_groups(shard: ParamLayout | None, rank: int, group_size: int, weight) -> tuple[torch.Tensor | None, bool]:
+    """For a Norm with a statistic per group of `group_size` features: (the group of each of `rank`'s features,
+    on the weight's device, or None; whether every rank holds only whole groups, each once and contiguous, so
+    that each computes its statistics locally). Decided from every rank's pieces, so that all ranks agree on
+    whether the sums are all-reduced (a collective that some ranks skip would hang). One group spanning the
+    whole dim is the plain statistic: (None, False)."""
+    if shard is None or not group_size or group_size == shard.full_shape[0]:  # one group: the plain statistic
+        return None, False
+    ranks = range(len(shard.pieces))
+    local = not shard.replicated_heads and all(
+        all(idx[k:k + group_size] == list(range(idx[k], idx[k] + group_size)) and idx[k] % group_size == 0
+            for k in range(0, len(idx), group_size)) and len(idx) % group_size == 0
+        for idx in (shard.indices(r) for r in ranks))
+    if local:
+        return None, True
+    index = [i // group_size for i in shard.indices(rank)]
+    return torch.tensor(index, dtype=torch.long, device=weight.device), False
+
+
 def gather_width(shard: ParamLayout) -> int | None:
     """For Column gather_output at an uneven split: the widest rank's width, to which every rank pads its
     output so that the all-gather moves equal blocks; None when every rank holds the same width."""
@@ -144,9 +163,11 @@ def _build(old: nn.Module, ms: ModuleShard, rank: int, group, param) -> nn.Modul
         new = VocabParallelLMHead(weight, bias, vocab_start=start, vocab_end=start + n,
                                   vocab_size=ms.weight.full_shape[0], group=group)
     elif ms.style == "norm":
+        groups, local = norm_groups(ms.weight, rank, ms.group_size, weight)
         new = ShardedNorm(weight, bias, statistic=ms.statistic, eps=ms.eps,
                           features=0 if ms.weight is None else ms.weight.full_shape[0], group=group,
-                          copies=norm_copies(ms.weight, rank, weight))
+                          copies=norm_copies(ms.weight, rank, weight), group_size=ms.group_size,
+                          groups=groups, local_groups=local, gate=ms.gate)
     elif isinstance(old, nn.Embedding):
         new = ColumnParallelEmbedding(weight, old, group=group)
     elif ms.style == "column":

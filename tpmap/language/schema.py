@@ -474,15 +474,30 @@ class Norm(_Layout, _Entry):
     (every rank's output depends on every rank's statistic). The weight is split with its features
     (``heads``/``sections``), so its gradient needs no collective. ``eps`` is read from the module's
     ``variance_epsilon`` or ``eps``. For norms over one head (``[head_dim]``), use ``grad_allreduce``.
+
+    ``group_size`` takes the statistic per group of that many consecutive features instead (Mamba-2's gated
+    norm, one statistic per SSM group): where every rank holds whole groups it is computed locally, with no
+    collective; where a group spans ranks (fewer groups than ranks, or an uneven split of its heads) the
+    per-group sums are all-reduced. ``gate: silu`` is for norms called as ``norm(x, gate)`` that take
+    ``x * silu(gate)`` before the statistic (Mamba-2's ``RMSNormGated``); the gate is split like x.
     """
     kind: Literal["Norm"]
     statistic: Literal["rms", "layer", "l2"] = Field(
         description="rms: RMSNorm; layer: LayerNorm (mean subtracted); l2: x / sqrt(sum(x^2) + eps), the module "
         "may have no weight (then its entry takes no heads/sections: there is nothing to lay out)")
+    group_size: CheckedExpr | None = Field(
+        None, description="the statistic is taken per group of this many consecutive features of the full dim "
+        "(expression; Mamba-2's gated norm: num_heads * head_dim // n_groups), not over the whole dim. Ranks that "
+        "hold whole groups compute them locally; a group split over ranks has its sums all-reduced")
+    gate: Literal["silu"] | None = Field(
+        None, description="the module is called as norm(x, gate) and normalizes x * silu(gate) (Mamba-2's gated "
+        "RMSNorm, the gate applied before the statistic); the gate is this rank's slice, split like x")
 
     @model_validator(mode="after")
     def _layout(self):
         self._check_layout()
+        if self.statistic == "l2" and (self.group_size is not None or self.gate is not None):
+            raise ValueError("'group_size' and 'gate' are for rms and layer norms, not 'l2'")
         return self
 
 
