@@ -8,9 +8,9 @@ an error, never a pass. Modelled on test_forward's WRONG_MAPPINGS.
 * Enter on Mamba's x_proj / Jamba's dt/B/C norms: the forward is unchanged without it, but every rank
   reads the whole [dt | B | C] with its own channels only, so the gradients of x_proj and below are
   partial sums -- caught by the per-shard gradient comparison;
-* Mamba-2's whole-group split (heads: n_groups): with fewer groups than ranks the gated norm's per-group
-  statistic would span ranks; the shipped mapping refuses that world size, and a mapping that replicates the
-  groups instead is wrong.
+* Mamba-2's gated norm as a Norm entry (group_size, gate): with fewer groups than ranks its per-group statistic
+  spans ranks and is all-reduced; a mapping that splits the norm's weight with a Param instead (the module's own
+  statistic over this rank's channels only) is wrong.
 """
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ import pytest
 import rank_cases
 import torch
 from helpers import DIFFERENCE, assert_caught, edited_copy, first_case, run_case, write_mapping
-
-from tpmap.language import source
-from tpmap.language.errors import DivisibilityError
 
 # name: (model type, text of the shipped YAML, replacement, the failure it causes: assert_caught's `expect`)
 FORWARD_WRONG = {
@@ -68,26 +65,49 @@ def test_without_the_enter_the_x_proj_gradients_are_partial(ranks, tmp_path, nam
         assert any("x_proj" in n for n, rel in r["rels"].items() if rel > 1e-2), r  # ...the gradients are not
 
 
-def test_mamba2_with_fewer_groups_than_ranks_is_refused_at_plan_time():
-    """n_groups: 1 (state-spaces/mamba2-*) at world size 2: the gated norm's group would be split."""
-    import transformers
-    from transformers import AutoConfig
-
-    from tpmap.engine import planner
-
-    loaded = source.for_model_type("mamba2")
-    config = AutoConfig.for_model("mamba2", **{**loaded.mapping.verify[0].config, "n_groups": 1})
-    with torch.device("meta"):
-        model = transformers.Mamba2ForCausalLM(config)
-    # the location points at the Row's `heads: n_groups`
-    with pytest.raises(DivisibilityError, match=r"mamba2\.yaml:\d+:\d+: .*out_proj: 1 heads cannot be split over "
-                                                r"world size 2 .*world sizes that work: 1$"):
-        planner.build_plan(model, loaded, 2)
-    planner.build_plan(model, loaded, 1)  # world size 1 is fine
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mamba2_with_one_group_is_exact_in_every_gradient(ranks, world_size):
+    """n_groups: 1 (state-spaces/mamba2-*, Bamba-9B): B and C on every rank (query_heads), the gated norm's
+    statistic over the whole I all-reduced (Norm group_size + gate). Forward as verify runs it; every
+    gradient per shard, B/C's replicated conv filters and in_proj rows summed over their holders."""
+    case = first_case("mamba2", world_size, config_name="h8-g1")
+    result = run_case(ranks, case)
+    assert result.passed and result.rel_diff < 1e-5, result
+    for r in ranks(world_size).run(rank_cases.grad_case, "mamba2", case.verify_index, "Mamba2ForCausalLM", False,
+                                   torch.float64):
+        # transformers' Mamba-2 scan casts to float32 inside (B.float(), ...) even in an fp64 model: ~4e-7
+        assert r["loss_diff"] <= 1e-6 * max(1.0, r["loss"]), r
+        assert r["rels"] and max(r["rels"].values()) < 1e-5, r
 
 
-# Mamba-2 with its heads split one by one and B/C replicated where there are fewer groups than ranks (as KV heads
-# are): what the shipped mapping's whole-group split (heads: n_groups everywhere) prevents
+def test_a_grouped_norm_is_local_only_where_every_rank_holds_whole_groups():
+    """The grouped Norm adds no collective where every rank holds whole groups, each once and contiguous (the divisible
+    path as the unsharded module computes it); a group split over ranks, or held twice, all-reduces its sums --
+    and every rank decides alike (a collective that one rank skips hangs). One group is the plain statistic."""
+    from tpmap.engine import shard
+    from tpmap.engine.plan import ParamLayout
+
+    def decide(pieces, group_size, replicated=False):
+        layout = ParamLayout(name="norm.weight", full_shape=(16,), dim=0, pieces=pieces, replicated_heads=replicated)
+        return [shard.norm_groups(layout, r, group_size, torch.empty(0)) for r in range(len(pieces))]
+
+    whole = decide((((0, 8),), ((8, 8),)), 4)  # 4 groups of 4 at 2 ranks: 2 whole groups each
+    assert all(index is None and local for index, local in whole), whole
+    split = decide((((0, 6),), ((6, 5),), ((11, 5),)), 4)  # 16 features over 3 ranks: groups 1 and 2 span ranks
+    assert not any(local for _, local in split), split
+    assert [index.tolist() for index, _ in split] == [[0, 0, 0, 0, 1, 1], [1, 1, 2, 2, 2], [2, 3, 3, 3, 3]]
+    swapped = decide((((4, 4), (0, 4)), ((8, 8),)), 4)  # whole groups stored in another order: still local
+    assert all(local for _, local in swapped)
+    interleaved = decide((((0, 2), (8, 4), (2, 2)), ((4, 4), (12, 4))), 4)  # group 0 whole, but not contiguous
+    assert not any(local for _, local in interleaved)
+    twice = decide((((0, 8),), ((8, 8),)), 4, replicated=True)  # some features held by two ranks
+    assert not any(local for _, local in twice)
+    assert decide((((0, 8),), ((8, 8),)), 16) == [(None, False), (None, False)]  # one group: the plain sum
+
+
+# Mamba-2 with its heads split one by one and B/C replicated where there are fewer groups than ranks (as the
+# shipped mapping does), but the gated norm's weight split by a Param: its statistic then spans this rank's
+# channels only -- what the shipped mapping's Norm entry (group_size, its sums all-reduced) prevents
 REPLICATED_GROUPS = """model_type: mamba2
 entries:
   - kind: Column
@@ -147,7 +167,7 @@ verify:
 
 
 def test_mamba2_groups_replicated_like_kv_heads_would_be_wrong(ranks, tmp_path):
-    """What the refusal prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
+    """What the Norm entry prevents: B/C of the one group replicated on both ranks (as KV heads are) and the
     gated norm taking its statistic over this rank's half of the group only -- off by O(1)."""
     path = write_mapping(tmp_path, "mamba2_replicated_groups", REPLICATED_GROUPS)
     result = run_case(ranks, first_case(path, 2))
