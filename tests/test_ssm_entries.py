@@ -105,6 +105,34 @@ def test_a_grouped_norm_is_local_only_where_every_rank_holds_whole_groups():
     assert decide((((0, 8),), ((8, 8),)), 16) == [(None, False), (None, False)]  # one group: the plain sum
 
 
+@pytest.mark.parametrize(("world_size", "local"), [(2, True), (3, False)])
+def test_a_grouped_norm_is_exact_with_whole_groups_and_with_groups_split_over_ranks(ranks, tmp_path, world_size,
+                                                                                    local):
+    """The shipped one-group layout (heads split, B/C following them, the grouped gated Norm) applied to 4 groups of
+    2 heads: at world size 2 every rank holds 2 whole groups and computes their statistics alone; at 3 (heads
+    3/3/2) groups 1 and 2 span ranks and their sums are all-reduced. Forward and every fp64 gradient."""
+    from transformers import AutoConfig, Mamba2ForCausalLM
+
+    from tpmap.engine import planner, shard
+    from tpmap.language import source
+
+    path = edited_copy(tmp_path, "mamba2_grouped_norm", "mamba2", "when: {n_groups: 1}", "when: {n_groups: {gt: 0}}",
+                       every=True)
+    path.write_text(path.read_text().replace("when: {n_groups: {gt: 1}}", "when: {n_groups: {gt: 99}}"))
+    loaded = source.read_file(path)
+    with torch.device("meta"):
+        model = Mamba2ForCausalLM(AutoConfig.for_model("mamba2", **loaded.mapping.verify[0].config))  # h8-g4
+    norms = [m for m in planner.build_plan(model, loaded, world_size).modules if m.name.endswith("mixer.norm")]
+    assert norms and all(shard.norm_groups(m.weight, 0, m.group_size, torch.empty(0))[1] == local for m in norms)
+    case = first_case(path, world_size, config_name="h8-g4")
+    result = run_case(ranks, case)
+    assert result.passed and result.rel_diff < 1e-5, result
+    for r in ranks(world_size).run(rank_cases.grad_case, str(path), case.verify_index, "Mamba2ForCausalLM", False,
+                                   torch.float64):
+        assert r["loss_diff"] <= 1e-6 * max(1.0, r["loss"]), r  # the scan casts to float32 inside (see above)
+        assert r["rels"] and max(r["rels"].values()) < 1e-5, r
+
+
 # Mamba-2 with its heads split one by one and B/C replicated where there are fewer groups than ranks (as the
 # shipped mapping does), but the gated norm's weight split by a Param: its statistic then spans this rank's
 # channels only -- what the shipped mapping's Norm entry (group_size, its sums all-reduced) prevents
