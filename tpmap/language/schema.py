@@ -464,6 +464,27 @@ class Input(_Entry):
     flattened: StrictBool = Field(False, description="the dim holds batch x heads, batch-major (BLOOM's alibi)")
 
 
+class Route(_Entry):
+    """Expert parallelism: each rank holds whole experts and runs the tokens routed to them.
+
+    The experts' stacked tensors ([E, ...]) are dealt out on dim 0 by a Param entry with ``heads: <E>`` (E // ws
+    experts per rank, or one more on the first ranks), and a Reduce on the same module sums the ranks' outputs
+    (its inputs' gradients all-reduced: the hidden states and the routing weights). The Route entry rewrites
+    the module's routing arguments before it runs, after the Reduce's: the expert ids in ``index`` become this
+    rank's local ids, an expert held elsewhere becomes the sentinel id E_r (this rank's expert count, which
+    transformers' experts implementations skip), and its routing weight in ``weights`` is zeroed. Every rank
+    computes the same routing (the router is replicated), so each token's top-k experts run exactly once
+    over all ranks, and a token routed to two experts of one rank is counted for both.
+    """
+    kind: Literal["Route"]
+    experts: CheckedExpr = Field(description="the number of experts (expression), e.g. num_local_experts")
+    index: Annotated[str, AfterValidator(_check_attribute_path)] = Field(
+        "top_k_index", description="the forward argument holding the chosen expert ids (..., k)")
+    weights: Annotated[str, AfterValidator(_check_attribute_path)] | None = Field(
+        "top_k_weights", description="the forward argument holding the routing weights (..., k), zeroed where the "
+        "expert is held by another rank (null: the module takes none)")
+
+
 class Norm(_Layout, _Entry):
     """An RMSNorm / LayerNorm / L2 norm over features that are split over the ranks, computed exactly.
 
@@ -501,9 +522,9 @@ class Norm(_Layout, _Entry):
         return self
 
 
-Entry = Annotated[Column | Row | Update | Param | Reduce | Enter | Input | Norm, Field(discriminator="kind")]
+Entry = Annotated[Column | Row | Update | Param | Reduce | Enter | Input | Norm | Route, Field(discriminator="kind")]
 KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
-                for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
+                for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm, Route)}
 
 
 class TokenRun(_Strict):
