@@ -260,7 +260,8 @@ class Planner:
                     self.fail(e)
                 continue
             config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
-            if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
+            if not entry_applies(entry, config, self.loaded.mapping.config_defaults,
+                                 experts=self.loaded.experts):
                 continue
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
             try:
@@ -499,11 +500,11 @@ class Planner:
     def route(self, entry: Route, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """Whole experts per rank: the block each rank holds, by the plain heads rule on the expert count (the
         rule of the Param entry with ``heads: <E>`` that deals the stacked tensors), never replicated."""
-        experts = ctx.eval(entry.experts, "experts")
+        experts = ctx.eval(entry.count, "count")
         if experts < self.tp_size:
             raise ctx.error(DivisibilityError, f"{full}: {experts} experts cannot be dealt whole over world size "
                             f"{self.tp_size} (a rank would hold none, or two ranks the same expert and run its "
-                            f"tokens twice); world sizes that work: 1..{experts}", "experts", rule="divisibility")
+                            f"tokens twice); world sizes that work: 1..{experts}", "count", rule="divisibility")
         if experts % self.tp_size:
             self.uneven.append(f"{full}(experts)")
         held = []
@@ -852,7 +853,7 @@ def check_expressions(config, loaded: MappingFile) -> list[TpmapError]:
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
         ctx = EntryContext(config, loaded, i, 1)
-        if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults):
+        if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults, experts=loaded.experts):
             continue
         # a heterogeneous config's per-layer attributes are read in each layer's config (EntryContext.at_layer):
         # a name every layer's config gives is fine

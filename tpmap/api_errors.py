@@ -10,6 +10,7 @@ __all__ = [
     "LossParallelError",
     "MetaDeviceError",
     "PartialMappingWarning",
+    "ExpertsPlacementError",
     "ProcessGroupError",
     "TransformersVersionError",
 ]
@@ -37,6 +38,10 @@ class LossParallelError(TpmapError):
 
 class TransformersVersionError(TpmapError):
     """The installed transformers is outside the range tpmap is tested on (tpmap.compat.TRANSFORMERS)."""
+
+
+class ExpertsPlacementError(TpmapError):
+    """``experts=`` names a placement of the MoE experts that the mapping does not give entries for."""
 
 
 class PartialMappingWarning(UserWarning):
