@@ -6,11 +6,11 @@ from tpmap.language.errors import TpmapError
 
 __all__ = [
     "AlreadyAppliedError",
+    "ExpertsPlacementError",
     "InputMismatchError",
     "LossParallelError",
     "MetaDeviceError",
     "PartialMappingWarning",
-    "ExpertsPlacementError",
     "ProcessGroupError",
     "TransformersVersionError",
 ]

@@ -31,7 +31,7 @@ INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head s
 
 
 # -- building the embedded tiny models (used by verify, the tests and the benchmarks) ---------------
-PLACEMENT = ":experts="  # a ref naming an experts placement other than the mapping's default: "mixtral:experts=parallel"
+PLACEMENT = ":experts="  # a ref with a placement other than the mapping's default: "mixtral:experts=parallel"
 
 
 def resolve(ref: str):

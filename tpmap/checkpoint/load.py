@@ -73,8 +73,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
       ``config.architectures``).
     * ``dtype``: as transformers' (default ``"auto"``: the config's dtype).
     * ``device``: where this rank's tensors go, e.g. ``f"cuda:{local_rank}"`` (default: CPU).
-    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``, ``experts``: as
-      `tpmap.apply`.
+    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``,
+      ``experts``: as `tpmap.apply`.
     * ``quantization_config``: a ``transformers.TorchAoConfig``: each rank quantizes its slices after reading
       them, with the scales the whole weight would get (`tpmap.checkpoint.quantize`); the result equals
       transformers' own load with the same config, sliced. (A checkpoint that is stored quantized says so in its
