@@ -504,7 +504,7 @@ class Planner:
         if experts < self.tp_size:
             raise ctx.error(DivisibilityError, f"{full}: {experts} experts cannot be dealt whole over world size "
                             f"{self.tp_size} (a rank would hold none, or two ranks the same expert and run its "
-                            f"tokens twice); world sizes that work: 1..{experts}", "count", rule="divisibility")
+                            f"tokens twice); world sizes that work: 1..{experts}", "count", rule="expert-count")
         if experts % self.tp_size:
             self.uneven.append(f"{full}(experts)")
         held = []
@@ -746,14 +746,15 @@ def check_head_sections(planner: Planner) -> None:
     or names it (query_heads): two plain counts (12 query and 4 key/value heads without query_heads) would be
     split independently, and a rank's query heads would not find their key/value heads. A model of several
     families of heads (a hybrid's attention and linear attention) names each family's own count as the query
-    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own."""
+    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own, and one
+    family (the attention's) may leave its count unnamed."""
     tp = planner.tp_size
     if not any(split.uneven_section(h, h, q, tp, True) for h, q, _ in planner.head_sections):
         return
     plain, kv = head_counts(planner.head_sections, tp)
     named = {q for _, q in kv} | {h for h, q, _ in planner.head_sections if q == h}  # declared query counts
     queries = plain | {q for _, q in kv}
-    if len(queries) > 1 and not plain <= named:
+    if len(queries) > 1 and len(plain - named) > 1:  # one family may go unnamed: the others name their counts
         unnamed = [(h, i) for h, q, i in planner.head_sections if q is None and h not in named]
         entry = next((i for h, i in unnamed if h != max(queries)), unnamed[0][1])
         ctx = EntryContext(planner.config, planner.loaded, entry, tp)

@@ -6,6 +6,7 @@ are dealt unevenly: 4 at 3 ranks 2/1/1, 6 at 4 ranks 2/2/1/1 (with 3 experts per
 has two experts on one rank)."""
 from __future__ import annotations
 
+import expert_parallel_cases
 import pytest
 import rank_cases
 import torch
@@ -64,3 +65,36 @@ def test_a_placement_the_mapping_does_not_give_or_more_ranks_than_experts_is_ref
                                                 r"world size 5 .*world sizes that work: 1\.\.4"):
         tpmap.plan(_mixtral(num_local_experts=4, num_attention_heads=10, num_key_value_heads=5,
                             hidden_size=80), 5, experts="parallel")
+
+
+def test_from_pretrained_reads_its_own_experts_and_saves_back_bit_for_bit(ranks, tmp_path):
+    """A Mixtral checkpoint as transformers saves it (one tensor per expert, w1/w2/w3, fused by its conversion on
+    load): each of 2 ranks holds 3 of 6 whole experts, reads about its share of the bytes, computes the unsharded
+    logits and greedy tokens, and save_pretrained writes the very checkpoint back."""
+    from safetensors.torch import load_file
+
+    folder, saved = tmp_path / "mixtral", tmp_path / "saved"
+    model = _built(num_local_experts=6, num_experts_per_tok=3)
+    model.save_pretrained(folder)
+    stored = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert any(".experts.5.w1." in k for k in stored)  # per expert, as released Mixtral checkpoints
+    total = sum(v.numel() * v.element_size() for v in stored.values())
+    experts = sum(v.numel() * v.element_size() for k, v in stored.items() if ".experts." in k)
+    results = ranks(2).run(expert_parallel_cases.load_parallel, str(folder), str(saved))
+    for r in results:
+        assert r["rel"] < 1e-5 and r["same_tokens"], r
+        assert {shape[0] for shape in r["experts"].values()} == {3}, r  # 3 whole experts per rank
+        # its half of the experts plus at most the rest whole (the attention and vocabulary are split too)
+        assert r["read"] <= experts / 2 + (total - experts) + 1024, (r["read"], experts, total)
+    back = {k: v for f in saved.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert back.keys() == stored.keys() and all(torch.equal(back[k], stored[k]) for k in stored)
+
+
+def _built(**config):
+    tiny = source.for_model_type("mixtral").mapping.verify[0].config
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.AutoConfig.for_model("mixtral", **{**tiny, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    return model

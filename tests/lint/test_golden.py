@@ -41,6 +41,8 @@ REQUIRED = {
     "transformers_never": "transformers-never", "when_layer_never": "when-never",
     # composed mappings: a sub-model without a mapping; an error in a composed file, at its own line
     "compose_no_mapping": "compose", "compose_entry_error": "config-attribute",
+    # expert parallelism: more ranks than experts; a Route without its Reduce
+    "route_expert_count": "expert-count", "route_without_reduce": "route-reduce",
 }
 
 

@@ -61,7 +61,7 @@ from pydantic import (
 from tpmap.language import expr
 from tpmap.language.errors import ConfigAttributeError
 
-ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
+ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm", "Route")
 
 
 def _check_expr(value: Any) -> Any:
