@@ -98,3 +98,16 @@ def _built(**config):
         for p in model.parameters():
             p.normal_(0, 0.15)
     return model
+
+
+@pytest.mark.full
+def test_parallelize_takes_the_placement_and_refuses_more_ranks_than_experts_before_any_worker(tmp_path):
+    folder = tmp_path / "mixtral"
+    full = _built(num_local_experts=6, num_experts_per_tok=3).eval()
+    full.save_pretrained(folder)
+    ids = torch.randint(0, full.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    want = full.generate(ids, max_new_tokens=8, do_sample=False)
+    with tpmap.parallelize(folder, 2, device="cpu", experts="parallel") as model:
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+    with pytest.raises(DivisibilityError, match=r"6 experts cannot be dealt whole over world size 8"):
+        tpmap.parallelize(folder, 8, device="cpu", experts="parallel")

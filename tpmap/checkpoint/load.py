@@ -250,7 +250,8 @@ def _plan_or_none(model, loaded, tp_size: int):
     return None if plan.uneven else plan
 
 
-def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
+def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, experts: str | None = None,
+                    **hf_kwargs):
     """The plan `from_pretrained` would execute at `world_size`, from the folder's config alone: the model is
     built on the meta device, no weight is read and no process group is needed. Raises the planner's error
     (a world size the mapping cannot serve, a model type without a mapping, a compressed-tensors group that a
@@ -265,7 +266,7 @@ def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapp
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
         weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
                    if compressed.is_compressed(model.config) else None)
-        loaded = read_mapping(model, mapping)
+        loaded = read_mapping(model, mapping, experts)
         plan = prepare(model, loaded, Place.planning(world_size)).plan
         if weights is not None:
             conversions = get_model_conversion_mapping(model, request.key_mapping, None)
