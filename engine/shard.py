@@ -345,10 +345,23 @@ def _route_experts(module: nn.Module, spec: RouteSlice, rank: int) -> None:
             weights = get(spec.weights, spec.weights_position)
             if isinstance(weights, torch.Tensor):
                 put(spec.weights, spec.weights_position, weights * held.to(weights.dtype))
+        inputs[:] = [t for t in (*args, *kwargs.values()) if _floating(t) and t.requires_grad]
         return tuple(args), kwargs
 
+    def tie(_, args, output):
+        """A rank none of whose experts drew a token returns zeros that depend on no input: its inputs' copies
+        (the Reduce's, whose backward all-reduces their gradients) would then take no part in backward, and
+        that rank would skip the all-reduces the others run. One element of each, times zero, keeps them in."""
+        if not inputs:
+            return output
+        zero = sum(t.reshape(-1)[:1].sum() for t in inputs) * 0
+        inputs.clear()
+        return map_first_tensor(output, lambda y: y + zero.to(y.dtype))
+
+    inputs: list[torch.Tensor] = []
     remap.tpmap_entry = "Route"
     module.register_forward_pre_hook(remap, with_kwargs=True)
+    module.register_forward_hook(tie)
     if hasattr(module, "_is_expert_parallel"):  # transformers' experts implementations: mask the sentinel rows
         module._is_expert_parallel = True  # (grouped_mm leaves them uninitialized, NaN * 0 would reach the sum)
 
