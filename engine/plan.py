@@ -93,6 +93,19 @@ class InputSlice:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RouteSlice:
+    """A module's routing arguments rewritten to this rank's experts before it runs (Route entry)."""
+    module: str  # full module name
+    index: str  # the argument of expert ids
+    index_position: int  # its index in forward's signature (for positional calls)
+    weights: str | None  # the argument of routing weights, or None
+    weights_position: int
+    experts: int  # experts in the full model
+    held: tuple[tuple[int, int], ...]  # per rank: (first expert, count), a contiguous block
+    entry: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     model_type: str
     tp_size: int
@@ -104,6 +117,7 @@ class Plan:
     tensors: tuple[ParamLayout, ...] = ()  # bare tensors split in place (Param entries)
     reduces: tuple[str, ...] = ()  # modules whose output is all-reduced (Reduce entries)
     inputs: tuple[InputSlice, ...] = ()  # forward arguments sliced by heads (Input entries)
+    routes: tuple[RouteSlice, ...] = ()  # routing arguments rewritten to each rank's experts (Route entries)
     enters: tuple[str, ...] = ()  # modules whose output's gradient is all-reduced (Enter entries)
     kept_whole: tuple[tuple[str, str, int], ...] = ()  # (pattern, reason, modules matched): a partial mapping
     refuse_sequence_parallel: str = ""  # the mapping's reason why sequence parallelism cannot run the model

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 
 from tpmap.engine import pieces as split
 from tpmap.engine.errors import ModuleKindError, UnevenSplitError, UnsupportedConfigError
-from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamLayout, Plan
+from tpmap.engine.plan import AttributeUpdate, InputSlice, ModuleShard, ParamLayout, Plan, RouteSlice
 from tpmap.engine.whole_model import plan_grad_allreduce, plan_vocab_parallel, tie_errors
 from tpmap.language import compose, expr
 from tpmap.language.errors import ConfigAttributeError, DivisibilityError, PatternMatchError, TpmapError, did_you_mean
@@ -33,6 +33,7 @@ from tpmap.language.schema import (
     Norm,
     Param,
     Reduce,
+    Route,
     Row,
     Update,
     any_layer_selected,
@@ -228,6 +229,7 @@ class Planner:
         self.enters: list[str] = []  # modules whose output's gradient is summed over the ranks (Enter)
         self.layer_views: dict = {}  # (id(config), layer) -> config.per_layer_config[layer] (EntryContext.at_layer)
         self.inputs: list[InputSlice] = []
+        self.routes: list[RouteSlice] = []
         self.seen_attr: dict[tuple[str, str], int] = {}
         self.applied: list[int] = []  # entries whose `when` matches this config
         self.uneven: list[str] = []  # tensors split by the uneven rule (engine.pieces), in planning order
@@ -245,7 +247,7 @@ class Planner:
 
     def plan_entries(self) -> None:
         kinds = {Column: self.linear, Row: self.linear, Update: self.update, Param: self.param,
-                 Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm}
+                 Reduce: self.reduce, Enter: self.enter, Input: self.input, Norm: self.norm, Route: self.route}
         entries = list(enumerate(self.loaded.mapping.entries))  # Updates last: they read whether a split is uneven
         for i, entry in [e for e in entries if not isinstance(e[1], Update)] + [(None, None)] + [
                 e for e in entries if isinstance(e[1], Update)]:
@@ -253,11 +255,13 @@ class Planner:
                 try:
                     check_uneven_proven(self)
                     check_head_sections(self)
+                    check_routes(self)
                 except TpmapError as e:
                     self.fail(e)
                 continue
             config = self.loaded.config_of("entries", i, self.config)  # a composed entry's sub-config
-            if not entry_applies(entry, config, self.loaded.mapping.config_defaults):
+            if not entry_applies(entry, config, self.loaded.mapping.config_defaults,
+                                 experts=self.loaded.experts):
                 continue
             ctx = EntryContext(self.config, self.loaded, i, self.tp_size)
             try:
@@ -492,6 +496,36 @@ class Planner:
         self.layouts.append(([(spec.heads, spec.heads)], True))
         self.inputs.append(spec)
 
+    # -- Route -------------------------------------------------------------------------------------
+    def route(self, entry: Route, ctx: EntryContext, module: nn.Module, full: str) -> None:
+        """Whole experts per rank: the block each rank holds, by the plain heads rule on the expert count (the
+        rule of the Param entry with ``heads: <E>`` that deals the stacked tensors), never replicated."""
+        experts = ctx.eval(entry.count, "count")
+        if experts < self.tp_size:
+            raise ctx.error(DivisibilityError, f"{full}: {experts} experts cannot be dealt whole over world size "
+                            f"{self.tp_size} (a rank would hold none, or two ranks the same expert and run its "
+                            f"tokens twice); world sizes that work: 1..{experts}", "count", rule="expert-count")
+        if experts % self.tp_size:
+            self.uneven.append(f"{full}(experts)")
+        held = []
+        for r in range(self.tp_size):
+            ids = expr.rank_heads(experts, self.tp_size, r)
+            assert ids and ids == list(range(ids[0], ids[0] + len(ids))), (experts, self.tp_size, r, ids)
+            held.append((ids[0], len(ids)))
+        params = list(inspect.signature(module.forward).parameters)
+        for key, name in (("index", entry.index), ("weights", entry.weights)):
+            if name is not None and name not in params:
+                raise ctx.error(ModuleKindError, f"{type(module).__name__}.forward has no argument {name!r}"
+                                f"{did_you_mean(name, params)}; its arguments: {', '.join(params)}", key,
+                                rule="module-kind")
+        if any(r.module == full for r in self.routes):
+            raise ctx.error(PatternMatchError, f"{full} is already routed by another entry", "module",
+                            rule="double-match")
+        self.routes.append(RouteSlice(
+            module=full, index=entry.index, index_position=params.index(entry.index), weights=entry.weights,
+            weights_position=-1 if entry.weights is None else params.index(entry.weights), experts=experts,
+            held=tuple(held), entry=ctx.index))
+
     # -- Norm --------------------------------------------------------------------------------------
     def norm(self, entry: Norm, ctx: EntryContext, module: nn.Module, full: str) -> None:
         """A norm over split features: its weight (and bias) split like them, statistics all-reduced."""
@@ -712,14 +746,15 @@ def check_head_sections(planner: Planner) -> None:
     or names it (query_heads): two plain counts (12 query and 4 key/value heads without query_heads) would be
     split independently, and a rank's query heads would not find their key/value heads. A model of several
     families of heads (a hybrid's attention and linear attention) names each family's own count as the query
-    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own."""
+    heads of its plain sections (``query_heads`` equal to ``heads``): each such count is split on its own, and one
+    family (the attention's) may leave its count unnamed."""
     tp = planner.tp_size
     if not any(split.uneven_section(h, h, q, tp, True) for h, q, _ in planner.head_sections):
         return
     plain, kv = head_counts(planner.head_sections, tp)
     named = {q for _, q in kv} | {h for h, q, _ in planner.head_sections if q == h}  # declared query counts
     queries = plain | {q for _, q in kv}
-    if len(queries) > 1 and not plain <= named:
+    if len(queries) > 1 and len(plain - named) > 1:  # one family may go unnamed: the others name their counts
         unnamed = [(h, i) for h, q, i in planner.head_sections if q is None and h not in named]
         entry = next((i for h, i in unnamed if h != max(queries)), unnamed[0][1])
         ctx = EntryContext(planner.config, planner.loaded, entry, tp)
@@ -729,6 +764,16 @@ def check_head_sections(planner: Planner) -> None:
                         "(e.g. query_heads: num_attention_heads) so that each rank holds the key/value heads its "
                         "query heads read; a separate family of heads names its own count (query_heads equal to "
                         "heads); or use a world size that divides every head count", "heads", rule="divisibility")
+
+
+def check_routes(planner: Planner) -> None:
+    """A Route needs a Reduce on the same module: each rank's output is its experts' share of the sum."""
+    for route in planner.routes:
+        if route.module not in planner.reduces:
+            ctx = EntryContext(planner.config, planner.loaded, route.entry, planner.tp_size)
+            raise ctx.error(PatternMatchError, f"{route.module} is routed (Route) but not reduced: each rank's "
+                            "output holds only its own experts' terms; add a Reduce entry on the same module",
+                            "module", rule="route-reduce")
 
 
 def l2_statistic_norm(entry: Norm, ctx: EntryContext, module: nn.Module, full: str,
@@ -791,7 +836,7 @@ def build_plan(model: nn.Module, loaded: MappingFile, tp_size: int, errors: list
     return Plan(model_type=loaded.mapping.model_type, tp_size=tp_size, base_prefix=p.prefix, modules=tuple(p.shards),
                 updates=tuple(p.updates), source=loaded.source.path,
                 grad_allreduce=tuple(dict.fromkeys(grad_allreduce)), tensors=tuple(p.tensors),
-                reduces=tuple(p.reduces), inputs=tuple(p.inputs), enters=tuple(p.enters),
+                reduces=tuple(p.reduces), inputs=tuple(p.inputs), routes=tuple(p.routes), enters=tuple(p.enters),
                 kept_whole=tuple(k for k in kept_whole if k[2]), uneven=tuple(p.uneven),
                 even_world_sizes=tuple(w for w in range(1, 17) if not any(
                     split.uneven_at(s, w, replicate) for sections, replicate in p.layouts for s in sections))
@@ -809,7 +854,7 @@ def check_expressions(config, loaded: MappingFile) -> list[TpmapError]:
     out: list[TpmapError] = []
     for i, entry in enumerate(loaded.mapping.entries):
         ctx = EntryContext(config, loaded, i, 1)
-        if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults):
+        if not entry_applies(entry, ctx.config, loaded.mapping.config_defaults, experts=loaded.experts):
             continue
         # a heterogeneous config's per-layer attributes are read in each layer's config (EntryContext.at_layer):
         # a name every layer's config gives is fine

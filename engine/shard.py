@@ -34,7 +34,7 @@ from tpmap.engine.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from tpmap.engine.plan import InputSlice, ModuleShard, ParamLayout, Plan
+from tpmap.engine.plan import InputSlice, ModuleShard, ParamLayout, Plan, RouteSlice
 from tpmap.engine.planner import resolve_attr
 
 
@@ -208,6 +208,8 @@ def execute(model: nn.Module, plan: Plan, rank: int, group, read=take) -> None:
         _enter_output(model.get_submodule(name), group)
     for input_slice in plan.inputs:
         _slice_input(model.get_submodule(input_slice.module), input_slice, rank)
+    for route in plan.routes:  # after the Reduce's pre-hook: the weights' copy is masked, not the original
+        _route_experts(model.get_submodule(route.module), route, rank)
     for alias, old in aliases:  # other holders of a sharded tensor (e.g. a head's tied bias) see the shard
         owner, _, attr = alias.rpartition(".")
         module = model.get_submodule(owner)
@@ -310,6 +312,58 @@ def _reduce_output(module: nn.Module, group) -> None:
 def _enter_output(module: nn.Module, group) -> None:
     """Enter: the output passes copy_to_tp_region (identity forward, gradient all-reduced)."""
     _on_output(module, lambda y: copy_to_tp_region(y, group), "Enter")
+
+
+def _route_experts(module: nn.Module, spec: RouteSlice, rank: int) -> None:
+    """Route: expert ids -> this rank's local ids, ids held elsewhere -> the sentinel n_r (the rank's expert count,
+    which transformers' experts implementations skip), and their routing weights zeroed.
+
+    ids (..., k) in [0, E); rank r holds experts [s, s + n_r): local = id - s where s <= id < s + n_r, else n_r.
+    weights (..., k): w * held. Its gradient is this rank's experts' terms only; the Reduce's pre-hook (before
+    this one) all-reduces it, so the router sees the sum over all experts."""
+    start, count = spec.held[rank]
+
+    def remap(_, args, kwargs):
+        args = list(args)
+
+        def get(name, position):  # position: in the bound forward's signature, as args are passed
+            return kwargs[name] if name in kwargs else args[position] if position < len(args) else None
+
+        def put(name, position, value):
+            if name in kwargs:
+                kwargs[name] = value
+            else:
+                args[position] = value
+
+        ids = get(spec.index, spec.index_position)
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{spec.module}: its Route entry's index argument {spec.index!r} is "
+                            f"{type(ids).__name__}, not a tensor of expert ids")
+        held = (ids >= start) & (ids < start + count)
+        put(spec.index, spec.index_position, torch.where(held, ids - start, torch.full_like(ids, count)))
+        if spec.weights is not None:
+            weights = get(spec.weights, spec.weights_position)
+            if isinstance(weights, torch.Tensor):
+                put(spec.weights, spec.weights_position, weights * held.to(weights.dtype))
+        inputs[:] = [t for t in (*args, *kwargs.values()) if _floating(t) and t.requires_grad]
+        return tuple(args), kwargs
+
+    def tie(_, args, output):
+        """A rank none of whose experts drew a token returns zeros that depend on no input: its inputs' copies
+        (the Reduce's, whose backward all-reduces their gradients) would then take no part in backward, and
+        that rank would skip the all-reduces the others run. One element of each, times zero, keeps them in."""
+        if not inputs:
+            return output
+        zero = sum(t.reshape(-1)[:1].sum() for t in inputs) * 0
+        inputs.clear()
+        return map_first_tensor(output, lambda y: y + zero.to(y.dtype))
+
+    inputs: list[torch.Tensor] = []
+    remap.tpmap_entry = "Route"
+    module.register_forward_pre_hook(remap, with_kwargs=True)
+    module.register_forward_hook(tie)
+    if hasattr(module, "_is_expert_parallel"):  # transformers' experts implementations: mask the sentinel rows
+        module._is_expert_parallel = True  # (grouped_mm leaves them uninitialized, NaN * 0 would reach the sum)
 
 
 def _slice_input(module: nn.Module, spec: InputSlice, rank: int) -> None:

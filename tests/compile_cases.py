@@ -26,7 +26,7 @@ def graph_breaks(ref: str, class_name: str) -> dict:
     config sets it), unsharded and tpmap."""
     full = verify.build_model(ref, 0, class_name)
     inputs, _ = rank_cases.loss_kwargs(full, verify.case_inputs(ref, 0, full))
-    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size())
+    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=verify.resolve(ref))
     out = {}
     for name, model in (("unsharded", full), ("tpmap", sharded)):
         out[f"{name}_forward"] = _breaks(lambda kw, model=model: model.eval()(**kw).logits, inputs)
@@ -40,7 +40,7 @@ def compiled_logits(ref: str, class_name: str) -> dict:
     torch._dynamo.reset()
     full = verify.build_model(ref, 0, class_name)
     inputs = verify.case_inputs(ref, 0, full)
-    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size())
+    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=verify.resolve(ref))
     with torch.no_grad():
         want, eager = full(**inputs).logits, sharded(**inputs).logits
         compiled = torch.compile(sharded, backend="aot_eager")(**inputs).logits
@@ -56,7 +56,7 @@ def compiled_training_step(ref: str, class_name: str) -> dict:
     rank = dist.get_rank()
     full = verify.build_model(ref, 0, class_name)
     inputs, has_labels = rank_cases.loss_kwargs(full, verify.case_inputs(ref, 0, full))
-    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size())
+    sharded = tpmap.apply(copy.deepcopy(full), dist.get_world_size(), mapping=verify.resolve(ref))
     loss_full = rank_cases.loss_of(full, inputs, has_labels)
     loss_full.backward()
     loss = rank_cases.loss_of(torch.compile(sharded, backend="aot_eager"), inputs, has_labels)

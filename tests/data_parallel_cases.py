@@ -27,8 +27,8 @@ def build(model_type: str, class_name: str, overrides: dict, dtype: torch.dtype)
     """The mapping's first tiny config with `overrides`, the same on every rank (seeded, std 0.2 init)."""
     import transformers
 
-    mapping = verify.resolve(model_type).mapping
-    config = AutoConfig.for_model(model_type, **{**mapping.verify[0].config, **overrides})
+    mapping = verify.resolve(model_type).mapping  # a model type, or a ref with a placement ("mixtral:experts=...")
+    config = AutoConfig.for_model(mapping.model_type, **{**mapping.verify[0].config, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config)
     verify.large_init_(model, 0)
@@ -77,7 +77,8 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
     batch = verify.place_ids(batch, verify.boundary_ids(full, (mesh["tp"].size(),)), gen)  # ids on shard boundaries
     half = batch[2 * dp_rank: 2 * dp_rank + 2]  # (2, 12): this dp replica's share
 
-    sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"], loss_parallel=loss_kind == "loss_parallel")
+    sharded = tpmap.apply(copy.deepcopy(full), group=mesh["tp"], loss_parallel=loss_kind == "loss_parallel",
+                          mapping=verify.resolve(model_type))
     if wrap == "ddp":
         wrapped = DDP(sharded, process_group=mesh["dp"].get_group())
     else:  # FSDP2: "fsdp" the whole model as one unit, "fsdp_blocks" each block, then the rest
@@ -100,7 +101,7 @@ def dp_tp_step_case(model_type: str, class_name: str, overrides: dict, optimizer
         opt_full.step()
 
     plan = sharded.tpmap_plan
-    splits = slicing_reference.splits(full, tpmap.read_mapping(full), plan, plan.tp_size)  # not the engine's take
+    splits = slicing_reference.splits(full, verify.resolve(model_type), plan, plan.tp_size)  # not the engine's take
     worst, worst_name = 0.0, ""
     for name, p in sharded.named_parameters():
         local = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: the dp shards gathered back

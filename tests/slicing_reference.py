@@ -269,7 +269,7 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
         rel = owner[len(prefix):]
         claims = [i for i, e in enumerate(entries) if isinstance(e, Param)
                   and entry_applies(e, loaded.config_of("entries", i, full.config),
-                                    loaded.mapping.config_defaults)
+                                    loaded.mapping.config_defaults, experts=loaded.experts)
                   and pname in e.params and rel in match_entry(e, modules)
                   and (not e.when_layer or layer_selected(
                       e.when_layer, rel, loaded.config_of("entries", i, full.config), loaded.mapping.config_defaults))]

@@ -34,6 +34,7 @@ STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, 
     ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", 1e-4),
     ("qwen3", "Qwen3ForCausalLM", {}, "sgd", "float64", "exact", 1e-10),  # grad_allreduce q/k norms
     ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-5),  # Param experts + Reduce
+    ("mixtral:experts=parallel", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-10),  # whole experts
 ]
 
 
@@ -57,6 +58,7 @@ FSDP_CASES = [  # FSDP2 over dp: the whole model as one unit ("fsdp") or each bl
     ("gpt2", "GPT2LMHeadModel", {}, "sgd", "float32", "loss_parallel", "fsdp_blocks", 1e-4),
     ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-5),
     ("gpt_oss", "GptOssForCausalLM", {}, "sgd", "float64", "exact", "fsdp", 1e-10),  # partial expert bias
+    ("mixtral:experts=parallel", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp_blocks", 1e-10),
 ]
 
 

@@ -12,6 +12,7 @@
 from tpmap.api import apply, full_state_dict, load_mapping, plan, read_mapping
 from tpmap.api_errors import (
     AlreadyAppliedError,
+    ExpertsPlacementError,
     InputMismatchError,
     LossParallelError,
     MetaDeviceError,
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "ConfigAttributeError",
     "DivisibilityError",
+    "ExpertsPlacementError",
     "HandleBusyError",
     "HandleClosedError",
     "InputMismatchError",

@@ -29,7 +29,8 @@ def group_of(model: nn.Module, group=None):
 
 
 def apply(model: nn.Module, world_size: int | None = None, *, group=None, mapping=None,
-          loss_parallel: bool = False, check_inputs: bool = True, sequence_parallel: bool = False) -> nn.Module:
+          loss_parallel: bool = False, check_inputs: bool = True, sequence_parallel: bool = False,
+          experts: str | None = None) -> nn.Module:
     """Shard `model` in place for tensor parallelism and return it.
 
     Every check happens before the model is touched, so an error leaves it exactly as it was.
@@ -54,6 +55,11 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
       sequence length does not divide by the world size runs as plain TP. Models it cannot run (MoE
       experts and routers, SSM mixers and convolutions) raise `SequenceParallelError` here.
 
+    * ``experts``: where the mapping gives both, how MoE experts are placed: ``"split"`` (every expert split along
+      its intermediate width, tensor parallelism inside every expert) or ``"parallel"`` (whole experts dealt to
+      the ranks, E // ws or one more each; every rank routes alike and runs its own experts' tokens; one all-reduce
+      per MoE block either way). Default: the mapping's ``experts``.
+
     Example (run under ``torchrun --nproc-per-node 2``)::
 
         dist.init_process_group("gloo")
@@ -62,7 +68,7 @@ def apply(model: nn.Module, world_size: int | None = None, *, group=None, mappin
     if getattr(model, PLAN_ATTR, None) is not None:
         raise AlreadyAppliedError(f"{type(model).__name__} is already tensor-parallel "
                                   f"(tp_size={getattr(model, PLAN_ATTR).tp_size}); apply it once, to the full model")
-    loaded = read_mapping(model, mapping)
+    loaded = read_mapping(model, mapping, experts)
     place = Place.of(world_size, group)
     refuse_meta_tensors(model, place.tp_size)
     prepared = prepare(model, loaded, place, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
@@ -155,6 +161,6 @@ def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     return {k: shard.full_tensor(v, shards[k], group) if k in shards else v for k, v in state.items()}
 
 
-def plan(model: nn.Module, world_size: int, *, mapping=None):
+def plan(model: nn.Module, world_size: int, *, mapping=None, experts: str | None = None):
     """The plan `apply` would execute at `world_size`, without a process group and without changing `model`."""
-    return prepare(model, read_mapping(model, mapping), Place.planning(world_size)).plan
+    return prepare(model, read_mapping(model, mapping, experts), Place.planning(world_size)).plan

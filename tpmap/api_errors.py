@@ -6,6 +6,7 @@ from tpmap.language.errors import TpmapError
 
 __all__ = [
     "AlreadyAppliedError",
+    "ExpertsPlacementError",
     "InputMismatchError",
     "LossParallelError",
     "MetaDeviceError",
@@ -37,6 +38,10 @@ class LossParallelError(TpmapError):
 
 class TransformersVersionError(TpmapError):
     """The installed transformers is outside the range tpmap is tested on (tpmap.compat.TRANSFORMERS)."""
+
+
+class ExpertsPlacementError(TpmapError):
+    """``experts=`` names a placement of the MoE experts that the mapping does not give entries for."""
 
 
 class PartialMappingWarning(UserWarning):

@@ -15,6 +15,7 @@ planner checks that tied tensors split together).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tpmap.api_errors import LossParallelError, ProcessGroupError, TransformersVersionError
+from tpmap.api_errors import ExpertsPlacementError, LossParallelError, ProcessGroupError, TransformersVersionError
 from tpmap.compat import check_transformers, mapping_applies
 from tpmap.engine import planner
 from tpmap.engine.plan import Plan
@@ -34,9 +35,10 @@ from tpmap.language.source import MappingFile, SourceMap, for_model_type, read_f
 
 
 # -- 1. the mapping --------------------------------------------------------------------------------
-def read_mapping(model: nn.Module, mapping=None) -> MappingFile:
-    """The mapping for `model`: the shipped one for its model_type, a file path, or a Mapping object. Raises
-    TransformersVersionError where the installed transformers is outside tpmap's tested range or the mapping's."""
+def read_mapping(model: nn.Module, mapping=None, experts: str | None = None) -> MappingFile:
+    """The mapping for `model`: the shipped one for its model_type, a file path, or a Mapping object, with the
+    experts placement `experts` chosen (None: the mapping's default). Raises TransformersVersionError where the
+    installed transformers is outside tpmap's tested range or the mapping's."""
     check_transformers()
     loaded = _read_mapping(model, mapping)
     if not mapping_applies(loaded.mapping.transformers):
@@ -44,7 +46,24 @@ def read_mapping(model: nn.Module, mapping=None) -> MappingFile:
             f"the mapping needs transformers{loaded.mapping.transformers} and transformers "
             f"{transformers.__version__} is installed: install a release in that range",
             loaded.source.value(("transformers",)))
-    return loaded
+    return choose_experts(loaded, experts)
+
+
+def choose_experts(loaded: MappingFile, experts: str | None) -> MappingFile:
+    """`loaded` with the experts placement `experts` ("split" or "parallel") chosen; None keeps its default."""
+    if experts is None:
+        return loaded
+    offered = sorted({e.experts for e in loaded.mapping.entries if e.experts is not None})
+    if experts not in ("split", "parallel"):
+        raise ValueError(f"experts={experts!r}: valid choices are 'split' (each expert split along its width) and "
+                         "'parallel' (whole experts dealt to the ranks)")
+    if experts not in offered:
+        has = (f"it gives entries for experts={offered[0]!r} only" if offered else
+               "it places no experts either way (its MoE blocks, if any, are split by its plain entries)")
+        raise ExpertsPlacementError(f"experts={experts!r}, but the mapping {loaded.source.path} has no entries for "
+                                    f"that placement: {has}; leave experts= out for its default",
+                                    loaded.source.value(("model_type",)))
+    return dataclasses.replace(loaded, chosen_experts=experts)
 
 
 def _read_mapping(model: nn.Module, mapping) -> MappingFile:

@@ -31,11 +31,19 @@ INIT_STD = 0.2  # a large init: with transformers' small default, a wrong head s
 
 
 # -- building the embedded tiny models (used by verify, the tests and the benchmarks) ---------------
+PLACEMENT = ":experts="  # a ref with a placement other than the mapping's default: "mixtral:experts=parallel"
+
+
 def resolve(ref: str):
-    """A MappingFile from a model type (shipped mapping) or a path to a YAML file."""
+    """A MappingFile from a model type (shipped mapping) or a path to a YAML file, with the experts placement that
+    a ``:experts=<placement>`` suffix names chosen."""
     from pathlib import Path
 
-    return read_file(ref) if ref.endswith((".yaml", ".yml")) or Path(ref).is_file() else for_model_type(ref)
+    from tpmap.prepare import choose_experts
+
+    ref, _, experts = ref.partition(PLACEMENT)
+    loaded = read_file(ref) if ref.endswith((".yaml", ".yml")) or Path(ref).is_file() else for_model_type(ref)
+    return choose_experts(loaded, experts or None)
 
 
 def tiny_config(ref: str, verify_index: int = 0):
@@ -417,12 +425,15 @@ def cases(refs, world_sizes=None) -> list[Case]:
     out = []
     for ref in refs:
         mapping = resolve(ref).mapping
-        for i, spec in enumerate(mapping.verify):
-            for tp_size in spec.world_sizes:
-                if world_sizes and tp_size not in world_sizes:
-                    continue
-                out.extend(Case(ref=ref, model_type=mapping.model_type, verify_index=i, config_name=spec.name,
-                                   class_name=cls, world_size=tp_size) for cls in spec.models)
+        others = sorted({e.experts for e in mapping.entries if e.experts is not None} - {mapping.experts})
+        for placed, suffix in [(ref, "")] + [(f"{ref}{PLACEMENT}{p}", f" [{p}]") for p in others]:
+            for i, spec in enumerate(mapping.verify):
+                for tp_size in spec.world_sizes:
+                    if world_sizes and tp_size not in world_sizes:
+                        continue
+                    out.extend(Case(ref=placed, model_type=mapping.model_type, verify_index=i,
+                                    config_name=spec.name + suffix, class_name=cls, world_size=tp_size)
+                               for cls in spec.models)
     return out
 
 

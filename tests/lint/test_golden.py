@@ -41,6 +41,8 @@ REQUIRED = {
     "transformers_never": "transformers-never", "when_layer_never": "when-never",
     # composed mappings: a sub-model without a mapping; an error in a composed file, at its own line
     "compose_no_mapping": "compose", "compose_entry_error": "config-attribute",
+    # expert parallelism: more ranks than experts; a Route without its Reduce
+    "route_expert_count": "expert-count", "route_without_reduce": "route-reduce",
 }
 
 
@@ -131,7 +133,7 @@ def test_github_format():
     lines = out.splitlines()
     assert lines[0] == (
         "::error file=tests/lint/cases/typo_key.yaml,line=10,col=5,title=tpmap lint [unknown-key]::"
-        "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, when_layer, "
+        "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, experts, when_layer, "
         "transformers, classes, sections, heads, query_heads, groups, reverse, combined_qkv, gather_output, copy_input"
     )
     # the message's own ':' and ',' stay as they are in the data part; properties are escaped

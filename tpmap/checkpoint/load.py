@@ -61,7 +61,8 @@ _NOT_HERE = {
 
 def from_pretrained(path, *, world_size: int | None = None, group=None, model_class=None, dtype=None, device=None,
                     mapping=None, loss_parallel: bool = False, check_inputs: bool = True,
-                    sequence_parallel: bool = False, quantization_config=None, **hf_kwargs):
+                    sequence_parallel: bool = False, quantization_config=None, experts: str | None = None,
+                    **hf_kwargs):
     """Load a tensor-parallel model from a local transformers checkpoint folder, on every rank.
 
     Each rank reads only its slices of the safetensors files (single-file or sharded with
@@ -72,8 +73,8 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
       ``config.architectures``).
     * ``dtype``: as transformers' (default ``"auto"``: the config's dtype).
     * ``device``: where this rank's tensors go, e.g. ``f"cuda:{local_rank}"`` (default: CPU).
-    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``: as
-      `tpmap.apply`.
+    * ``mapping``, ``world_size``, ``group``, ``loss_parallel``, ``check_inputs``, ``sequence_parallel``,
+      ``experts``: as `tpmap.apply`.
     * ``quantization_config``: a ``transformers.TorchAoConfig``: each rank quantizes its slices after reading
       them, with the scales the whole weight would get (`tpmap.checkpoint.quantize`); the result equals
       transformers' own load with the same config, sliced. (A checkpoint that is stored quantized says so in its
@@ -93,7 +94,7 @@ def from_pretrained(path, *, world_size: int | None = None, group=None, model_cl
     torchao_config = quantize.torchao_config(quantization_config)
     request = _Request.of(path, dtype, hf_kwargs)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    opened = _open(request, model_class, mapping, place, device)
+    opened = _open(request, model_class, mapping, place, device, experts)
     prepared = prepare(opened.model, opened.loaded, place, loss_parallel=loss_parallel,
                        sequence_parallel=sequence_parallel, check_inputs=check_inputs)
     on_load = _quantization(opened, prepared.plan, torchao_config, request.folder)
@@ -118,7 +119,8 @@ class _Opened:
     progress: object  # the tqdm bar
 
 
-def _open(request: _Request, model_class, mapping, place: Place, device: torch.device) -> _Opened:
+def _open(request: _Request, model_class, mapping, place: Place, device: torch.device,
+          experts: str | None = None) -> _Opened:
     """Steps 1-2 up to the plan: the folder opened, the meta model built, its mapping read, checkpoint names
     matched to model tensors (every shape checked) and weights tied; every error alike on every rank."""
     import transformers.modeling_utils as hf_modeling
@@ -127,7 +129,7 @@ def _open(request: _Request, model_class, mapping, place: Place, device: torch.d
     checkpoint = Checkpoint.open(request.folder, request.variant)
     model, dtype = _meta_model(request, checkpoint, model_class)
     dequantizer = _dequantizer(checkpoint, request.folder, model.config)
-    loaded = read_mapping(model, mapping)  # before any reading: a model type without a mapping stops here
+    loaded = read_mapping(model, mapping, experts)  # before any reading: a model type without a mapping stops here
     conversions = get_model_conversion_mapping(model, request.key_mapping, None)
     sources, unexpected = conversion.match_checkpoint_names(model, checkpoint, conversions)
     if isinstance(dequantizer, compressed.CompressedWeights):
@@ -248,7 +250,8 @@ def _plan_or_none(model, loaded, tp_size: int):
     return None if plan.uneven else plan
 
 
-def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, **hf_kwargs):
+def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapping=None, experts: str | None = None,
+                    **hf_kwargs):
     """The plan `from_pretrained` would execute at `world_size`, from the folder's config alone: the model is
     built on the meta device, no weight is read and no process group is needed. Raises the planner's error
     (a world size the mapping cannot serve, a model type without a mapping, a compressed-tensors group that a
@@ -263,7 +266,7 @@ def plan_checkpoint(path, world_size: int, *, model_class=None, dtype=None, mapp
         block_size(request.folder, model.config)  # a quantization tpmap does not read is refused here too
         weights = (compressed.CompressedWeights.take(checkpoint, request.folder, model.config)
                    if compressed.is_compressed(model.config) else None)
-        loaded = read_mapping(model, mapping)
+        loaded = read_mapping(model, mapping, experts)
         plan = prepare(model, loaded, Place.planning(world_size)).plan
         if weights is not None:
             conversions = get_model_conversion_mapping(model, request.key_mapping, None)

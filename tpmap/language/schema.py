@@ -61,7 +61,7 @@ from pydantic import (
 from tpmap.language import expr
 from tpmap.language.errors import ConfigAttributeError
 
-ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm")
+ENTRY_KINDS = ("Column", "Row", "Update", "Param", "Reduce", "Enter", "Input", "Norm", "Route")
 
 
 def _check_expr(value: Any) -> Any:
@@ -158,9 +158,12 @@ def release_matches(spec: str | None, version: str | None = None) -> bool:
     return Version(version) in SpecifierSet(spec)
 
 
-def entry_applies(entry, config, defaults: dict[str, Any] | None = None, version: str | None = None) -> bool:
-    """Whether `entry` applies: its `when` matches `config` and its `transformers` range admits the release."""
-    return config_matches(entry.when, config, defaults) and release_matches(entry.transformers, version)
+def entry_applies(entry, config, defaults: dict[str, Any] | None = None, version: str | None = None,
+                  experts: str | None = None) -> bool:
+    """Whether `entry` applies: its `when` matches `config`, its `transformers` range admits the release, and its
+    `experts` placement (if any) is the chosen one, `experts`."""
+    return (config_matches(entry.when, config, defaults) and release_matches(entry.transformers, version)
+            and (entry.experts is None or entry.experts == experts))
 
 
 def config_matches(when: dict[str, Any] | None, config, defaults: dict[str, Any] | None = None) -> bool:
@@ -219,9 +222,17 @@ def _per_layer_lists(when_layer: dict[str, Any], config, defaults) -> dict[str, 
     return lists
 
 
+Placement = Literal["split", "parallel"]
+
+
 class _Entry(_Strict):
     module: Pattern = Field(description="dotted module path relative to the base model; * globs per component")
     when: When | None = None
+    experts: Placement | None = Field(
+        None, description="apply only under this placement of the MoE experts: split (each expert split along its "
+        "intermediate width, tensor parallelism inside every expert) or parallel (whole experts dealt to the ranks, "
+        "a Route entry). Chosen per call (tpmap.apply(experts=...)), by default the mapping's `experts`"
+    )
     when_layer: When | None = Field(
         None, description="apply only to the matched modules whose layer i has config.<key>[i] matching (a value, a "
         "list, an operator, as `when`): e.g. when_layer: {layer_types: sliding_attention} selects the sliding "
@@ -464,6 +475,27 @@ class Input(_Entry):
     flattened: StrictBool = Field(False, description="the dim holds batch x heads, batch-major (BLOOM's alibi)")
 
 
+class Route(_Entry):
+    """Expert parallelism: each rank holds whole experts and runs the tokens routed to them.
+
+    The experts' stacked tensors ([E, ...]) are dealt out on dim 0 by a Param entry with ``heads: <E>`` (E // ws
+    experts per rank, or one more on the first ranks), and a Reduce on the same module sums the ranks' outputs
+    (its inputs' gradients all-reduced: the hidden states and the routing weights). The Route entry rewrites
+    the module's routing arguments before it runs, after the Reduce's: the expert ids in ``index`` become this
+    rank's local ids, an expert held elsewhere becomes the sentinel id E_r (this rank's expert count, which
+    transformers' experts implementations skip), and its routing weight in ``weights`` is zeroed. Every rank
+    computes the same routing (the router is replicated), so each token's top-k experts run exactly once
+    over all ranks, and a token routed to two experts of one rank is counted for both.
+    """
+    kind: Literal["Route"]
+    count: CheckedExpr = Field(description="the number of experts (expression), e.g. num_local_experts")
+    index: Annotated[str, AfterValidator(_check_attribute_path)] = Field(
+        "top_k_index", description="the forward argument holding the chosen expert ids (..., k)")
+    weights: Annotated[str, AfterValidator(_check_attribute_path)] | None = Field(
+        "top_k_weights", description="the forward argument holding the routing weights (..., k), zeroed where the "
+        "expert is held by another rank (null: the module takes none)")
+
+
 class Norm(_Layout, _Entry):
     """An RMSNorm / LayerNorm / L2 norm over features that are split over the ranks, computed exactly.
 
@@ -501,9 +533,9 @@ class Norm(_Layout, _Entry):
         return self
 
 
-Entry = Annotated[Column | Row | Update | Param | Reduce | Enter | Input | Norm, Field(discriminator="kind")]
+Entry = Annotated[Column | Row | Update | Param | Reduce | Enter | Input | Norm | Route, Field(discriminator="kind")]
 KIND_CLASSES = {cls.model_fields["kind"].annotation.__args__[0]: cls
-                for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm)}
+                for cls in (Column, Row, Update, Param, Reduce, Enter, Input, Norm, Route)}
 
 
 class TokenRun(_Strict):
@@ -768,6 +800,10 @@ class Mapping(_Strict):
         "and a test proves it at such a world size. Without it an uneven world size is refused, naming the world "
         "sizes that split the model evenly"
     )
+    experts: Placement | None = Field(
+        None, description="the default placement of the MoE experts where entries are given for both (`experts` "
+        "on an entry): split or parallel; tpmap.apply(experts=...) chooses the other"
+    )
     verify: list[Verify] = Field(
         min_length=1, description="tiny configurations to prove the mapping on (e.g. GQA, and MHA for world size 3)"
     )
@@ -779,6 +815,17 @@ class Mapping(_Strict):
     def _something_to_map(self):
         if not self.entries and not self.compose:
             raise ValueError("a mapping needs at least one entry (or a compose item)")
+        return self
+
+    @model_validator(mode="after")
+    def _placements(self):
+        tagged = {e.experts for e in self.entries if e.experts is not None}
+        if tagged and self.experts is None:
+            raise ValueError(f"entries are given for the experts placement {' and '.join(sorted(tagged))}: set the "
+                             "mapping's default, `experts: split` or `experts: parallel`")
+        if self.experts is not None and self.experts not in tagged:
+            raise ValueError(f"experts: {self.experts} is the default placement, but no entry is given for it (an "
+                             f"entry with `experts: {self.experts}`)")
         return self
 
     @property

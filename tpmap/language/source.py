@@ -64,6 +64,12 @@ class MappingFile:
     data: dict
     # composed items, by (list, index) in `mapping`: ("entries", 7) -> its Scope; none for this file's own
     scopes: dict[tuple[str, int], Scope] = field(default_factory=dict)
+    chosen_experts: str | None = None  # the experts placement a call chose (`placed`); None: the mapping's default
+
+    @property
+    def experts(self) -> str | None:
+        """The experts placement whose entries apply: the call's choice, else the mapping's default."""
+        return self.chosen_experts or self.mapping.experts
 
     def entry_position(self, index: int, key: str = "module") -> Position:
         return self.source.value(("entries", index, key))

@@ -13,7 +13,7 @@ RULES: dict[str, str] = {
     "unknown-key": "every key is a field of its section (did-you-mean and the valid keys are listed)",
     "missing-key": "required keys are present (model_type, entries, verify, module, ...; a main input other "
                    "than input_ids among a verify config's inputs)",
-    "unknown-kind": "every entry's kind is one of Column, Row, Update, Param, Reduce, Enter, Input, Norm",
+    "unknown-kind": "every entry's kind is one of Column, Row, Update, Param, Reduce, Enter, Input, Norm, Route",
     "wrong-type": "every value has the type its field needs",
     "invalid-expression": "size expressions use only integers, names, + - * //, parentheses and per_rank()",
     "unknown-model-type": "model_type is a transformers config.model_type",
@@ -40,6 +40,8 @@ RULES: dict[str, str] = {
     "when-never": "an entry with `when` applies to at least one config lint checks (the default or a verify config), "
                   "and one with `when_layer` selects a layer of one",
     "transformers-never": "an entry's `transformers` range admits at least one transformers release tpmap proves",
+    "expert-count": "a Route deals at least one whole expert to every rank at each verify world size",
+    "route-reduce": "a Route's experts module is also reduced (each rank's output is its experts' terms)",
 }
 
 # notes: printed, but not errors (the exit status stays 0)

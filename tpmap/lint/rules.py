@@ -398,6 +398,13 @@ class _ModelChecks:
         expanded = planner.composed(model, self.loaded, errors)  # the same expansion build_plan makes
         self.expanded = expanded
         planner.build_plan(model, expanded, tp_size, errors)
+        placements = sorted({e.experts for e in expanded.mapping.entries if e.experts is not None})
+        for other in (p for p in placements if p != expanded.experts):  # every experts placement is checked
+            found: list[TpmapError] = []
+            planner.build_plan(model, dataclasses.replace(expanded, chosen_experts=other), tp_size, found)
+            if default and any(e.rule == "expert-count" for e in found):
+                continue  # the default config's listed world sizes are the default placement's: this one serves fewer
+            errors += [e for e in found if all(str(e) != str(x) for x in errors)]
         if structure and expanded is not self.loaded:  # composed entries read their sub-configs
             errors += planner.check_expressions(model.config, expanded)
         for e in errors:

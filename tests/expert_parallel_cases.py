@@ -1,0 +1,28 @@
+"""Rank functions of tests/test_expert_parallel.py (run on every rank by the `ranks` fixture)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers
+from checkpoint_cases import _CountReads
+
+import tpmap
+
+
+def load_parallel(folder: str, saved: str) -> dict:
+    """from_pretrained(experts="parallel") of a transformers checkpoint (experts stored one tensor per expert):
+    the logits and greedy tokens against transformers' unsharded load, the bytes this rank read, its experts'
+    shapes; save_pretrained of the sharded model into `saved`."""
+    full = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, full.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    with _CountReads() as reads:
+        model = tpmap.from_pretrained(folder, experts="parallel").eval()
+    with torch.no_grad():
+        want, got = full(ids).logits, model(ids).logits
+    tokens = (full.generate(ids[:1], max_new_tokens=6, do_sample=False),
+              model.generate(ids[:1], max_new_tokens=6, do_sample=False))
+    tpmap.save_pretrained(model, saved)
+    dist.barrier()
+    return {"rel": ((got - want).abs().max() / want.abs().max()).item(), "read": reads.bytes,
+            "same_tokens": torch.equal(*tokens),
+            "experts": {n: tuple(p.shape) for n, p in model.named_parameters() if ".experts." in n}}
