@@ -55,6 +55,21 @@ def test_the_plan_deals_whole_experts_and_keeps_split_the_default():
     assert not split.routes and split.params[route.module + ".gate_up_proj"].dim == 1
 
 
+def test_a_mapping_that_composes_an_moe_mapping_places_its_experts_both_ways():
+    """Aria composes aria_text, whose experts entries are tagged split/parallel: they apply under aria_text's default
+    (the composing file sets none) and under the call's choice. Before, the composed file had no default, so neither
+    placement's entries applied: the experts stayed whole on every rank under the Reduce (verify: 49% off)."""
+    config = tpmap.verify.tiny_config("aria")
+    with torch.device("meta"):
+        model = transformers.AriaModel(config)
+    experts = "language_model.layers.0.mlp.experts"
+    split = tpmap.plan(model, 2)
+    assert split.params[experts + ".gate_up_proj"].dim == 2 and not split.routes
+    parallel = tpmap.plan(model, 2, experts="parallel")
+    assert parallel.params[experts + ".gate_up_proj"].dim == 0
+    assert [r.module for r in parallel.routes] == [experts, experts.replace("0", "1")]
+
+
 def test_a_placement_the_mapping_does_not_give_or_more_ranks_than_experts_is_refused():
     with pytest.raises(ExpertsPlacementError, match=r"experts='parallel', but the mapping .*llama\.yaml has no "
                                                     r"entries for that placement"):

@@ -46,14 +46,17 @@ def read_mapping(model: nn.Module, mapping=None, experts: str | None = None) -> 
             f"the mapping needs transformers{loaded.mapping.transformers} and transformers "
             f"{transformers.__version__} is installed: install a release in that range",
             loaded.source.value(("transformers",)))
-    return choose_experts(loaded, experts)
+    return choose_experts(loaded, experts, model)
 
 
-def choose_experts(loaded: MappingFile, experts: str | None) -> MappingFile:
-    """`loaded` with the experts placement `experts` ("split" or "parallel") chosen; None keeps its default."""
+def choose_experts(loaded: MappingFile, experts: str | None, model: nn.Module | None = None) -> MappingFile:
+    """`loaded` with the experts placement `experts` ("split" or "parallel") chosen; None keeps its default.
+    The placements offered by a mapping that composes others are its parts' for `model` (without a model: its
+    own entries' only)."""
     if experts is None:
         return loaded
-    offered = sorted({e.experts for e in loaded.mapping.entries if e.experts is not None})
+    whole = planner.composed(model, loaded) if model is not None else loaded
+    offered = sorted({e.experts for e in whole.mapping.entries if e.experts is not None})
     if experts not in ("split", "parallel"):
         raise ValueError(f"experts={experts!r}: valid choices are 'split' (each expert split along its width) and "
                          "'parallel' (whole experts dealt to the ranks)")

@@ -55,6 +55,7 @@ def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str
     lists = {section: list(getattr(mapping, section)) for section in SECTIONS}
     source = SourceMap(loaded.source.path, dict(loaded.source.values), dict(loaded.source.keys))
     scopes = dict(loaded.scopes)
+    placements = set()  # the composed files' default experts placements
     for k, item in enumerate(mapping.compose):
         if item.optional and _absent(item, config, submodel):
             continue  # a model built without this sub-model: nothing to compose
@@ -65,6 +66,7 @@ def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str
                 raise
             errors.extend(e.errors if isinstance(e, MappingErrors) else [e])
             continue
+        placements |= {sub.mapping.experts} - {None}
         for section, target in lists.items():
             for j, value in enumerate(getattr(sub.mapping, section)):
                 n = len(target)
@@ -75,8 +77,15 @@ def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str
                     config=sub_config_path + (inner.config if inner else ()),
                     via=f"{inner.via}, {via}" if inner else via)
                 _copy_positions(sub.source, (section, j), source, (section, n))
-    expanded = mapping.model_copy(update={"compose": [], **lists})
-    return MappingFile(expanded, source, loaded.data, scopes)
+    # the composed entries tagged with a placement apply under the composed files' default (one placement: a
+    # file setting none keeps its parts' own), or the one the call chose
+    if mapping.experts is None and len(placements) > 1:
+        raise MappingError(f"the composed files' default experts placements differ ({', '.join(sorted(placements))}): "
+                           "set this file's own, `experts: split` or `experts: parallel`",
+                           loaded.source.value(("compose",)), "compose")
+    experts = mapping.experts or (placements.pop() if placements else None)
+    expanded = mapping.model_copy(update={"compose": [], "experts": experts, **lists})
+    return MappingFile(expanded, source, loaded.data, scopes, loaded.chosen_experts)
 
 
 def _absent(item: Compose, config, submodel: SubModels) -> bool:
