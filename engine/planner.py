@@ -344,7 +344,11 @@ class Planner:
                 raise ctx.error(DivisibilityError, f"{name}: the split dim has {dim_size} features, not a multiple "
                                 f"of {groups} groups", "groups", rule="fused-sections")
             group_width = dim_size // groups
-        sections = self.sections(entry, group_width, ctx)
+        k = entry.sections if getattr(entry, "interleaved", False) else 1  # [a0 b0 a1 b1 ...]: feature j is k wide
+        if k > 1 and dim_size % k:
+            raise ctx.error(DivisibilityError, f"{name}: the split dim has {dim_size} features, not a multiple of "
+                            f"its {k} interleaved sections", "sections", rule="fused-sections")
+        sections = [(dim_size // k, None, None)] if k > 1 else self.sections(entry, group_width, ctx)
         if element_size:
             sections = [split.aligned(s, element_size) for s in sections]
         grouped = groups is not None and groups > 1
@@ -361,7 +365,7 @@ class Planner:
         self.layouts.append((sections, replicate))
         self.head_sections += [(h, q, ctx.index) for _, h, q, _ in map(split.parts, sections) if h is not None]
         self.features.update(feature_counts(sections, pieces, self.features))
-        return pieces, replicated
+        return tuple(tuple((s * k, n * k) for s, n in p) for p in pieces), replicated  # feature j is k elements
 
     def sections(self, entry, dim_size: int, ctx: EntryContext) -> list[tuple[int, int | None, int | None]]:
         """Resolve the entry's blocks to (size, heads, query_heads) integers, the sizes summing to dim_size."""
@@ -444,7 +448,12 @@ class Planner:
 
     # -- Param -------------------------------------------------------------------------------------
     def param(self, entry: Param, ctx: EntryContext, module: nn.Module, full: str) -> None:
-        """Bare parameters, buffers or ModuleLists of `module` split along `dim` (or kept partial)."""
+        """Bare parameters, buffers or ModuleLists of `module` split along `dim` (or kept partial).
+
+        The entry's tensors are split alike: where one is a stacked-experts tensor split in aligned units
+        (`stacked_element_size`), the others of the same width (its bias [E, 2I] beside [E, H, 2I]) take the
+        same units, so every rank's bias matches its weight."""
+        widths = aligned_widths(module, entry)
         for pname in entry.params:
             holder, tensor = _holder(module, pname)
             if holder is None:
@@ -468,9 +477,9 @@ class Planner:
                 raise ctx.error(ModuleKindError, f"{name} has shape {tuple(shape)}: dim {entry.dim} is out of range "
                                 f"(0..{len(shape) - 1})", "dim", rule="module-kind")
             stacked = len(shape) >= 3 and dim != 0  # stacked experts [E, 2I, H] split inside each expert
+            element_size = widths.get(shape[dim], 0) if holder == "parameter" else 0
             pieces, replicated = self.layout(entry, shape[dim], ctx, name, replicate=holder != "modules",
-                                             uneven_ok=STACKED_PARAM if stacked else "",
-                                             element_size=stacked_element_size(tensor, holder, dim))
+                                             uneven_ok=STACKED_PARAM if stacked else "", element_size=element_size)
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))
 
@@ -563,6 +572,21 @@ class Planner:
                                        gather_output=False, entry=ctx.index, weight=w, bias=b,
                                        statistic=entry.statistic, eps=eps, group_size=group_size,
                                        gate=entry.gate or ""))
+
+
+def aligned_widths(module: nn.Module, entry) -> dict[int, int]:
+    """{split width: element size} of the stacked-experts tensors (`stacked_element_size`) an entry names, so
+    that its other tensors of the same width are split in the same aligned units."""
+    out: dict[int, int] = {}
+    for pname in [] if entry.partial else entry.params:
+        holder, tensor = _holder(module, pname)
+        if holder != "parameter":
+            continue  # a missing name is reported by Planner.param; buffers and ModuleLists are never aligned
+        dim = entry.dim + tensor.dim() if entry.dim < 0 else entry.dim
+        size = stacked_element_size(tensor, holder, dim) if 0 <= dim < tensor.dim() else 0
+        if size:
+            out[tensor.shape[dim]] = max(size, out.get(tensor.shape[dim], 0))
+    return out
 
 
 def stacked_element_size(tensor, holder: str, dim: int) -> int:

@@ -21,7 +21,10 @@ The rules, for element i of a split dimension of D features at world size ws:
 * aligned (stacked experts: a Param entry's parameter of 3 or more dims split along another dim than its first,
   e.g. Mixtral's [E, 2I, H] along 2I): transformers' grouped matmul needs 16-byte-aligned strides, so a plain
   section whose width is a multiple of u = 16 bytes / element size is cut into units of u consecutive features,
-  and the units are dealt out by the plain / uneven rules above (feature k goes where its unit k // u goes);
+  and the units are dealt out by the plain / uneven rules above (feature k goes where its unit k // u goes); the
+  other tensors of the same Param entry with the same width (a bias [E, 2I]) take the same unit;
+* interleaved (k sections stored [a0 b0 a1 b1 ...]): element i is feature i // k of a plain section of D / k
+  features, laid out by the rules above (aligned included), so feature j's k elements stay together;
 * key/value heads of Q query heads (query_heads; query head j reads KV head j // (Q / H)): rank r holds
   the KV heads its own query heads (the rules above, on Q) read, each m / g times, m the number of its
   query heads reading it and g the gcd of those counts.
@@ -47,6 +50,7 @@ class Layout:
     groups: int | None = None
     vocab: bool = False
     align: int = 1  # the unit (elements) of aligned plain sections (stacked experts); 1 = none
+    interleave: int = 1  # k sections interleaved feature by feature: element i is feature i // k (gpt-oss's gate_up)
 
 
 def _block_owner(i: int, n: int, m: int) -> int:
@@ -104,6 +108,8 @@ def owners(layout: Layout, ws: int, i: int) -> set[int]:
     """The ranks that hold feature i."""
     if layout.vocab:
         return {i // -(-layout.size // ws)}
+    if layout.interleave > 1:  # one plain section of size / k features, each k elements wide
+        return _in_sections(i // layout.interleave, (), layout.size // layout.interleave, ws, layout.align)
     if layout.groups is None or layout.groups == 1:
         return _in_sections(i, layout.sections, layout.size, ws, layout.align)
     g_count = layout.groups
@@ -211,6 +217,8 @@ def _sections(entry, unit: int, evaluate) -> tuple[tuple[int, int | None, int | 
 
 
 def _layout(entry, size: int, evaluate, align: int = 1) -> Layout:
+    if getattr(entry, "interleaved", False):
+        return Layout(size, (), align=align, interleave=entry.sections)
     groups = None if entry.groups is None else evaluate(entry.groups)
     unit = size // groups if groups else size
     return Layout(size, _sections(entry, unit, evaluate), groups, align=align)
@@ -281,8 +289,12 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
             out[t.name] = Split(None, None, partial=True)
             continue
         dim = entry.dim + len(shape) if entry.dim < 0 else entry.dim
-        stacked = isinstance(tensor, nn.Parameter) and tensor.dim() >= 3 and dim != 0  # stacked experts
-        align = max(1, 16 // tensor.element_size()) if stacked else 1
+        align = 1  # stacked experts ([E, 2I, H] along 2I) are aligned, and so are the entry's tensors of that width
+        for other in (getattr(full.get_submodule(owner), n) for n in entry.params):
+            other_dim = entry.dim % other.dim() if isinstance(other, nn.Parameter) else 0
+            if isinstance(tensor, nn.Parameter) and other.dim() >= 3 and other_dim and \
+                    other.shape[other_dim] == shape[dim]:
+                align = max(align, 16 // other.element_size())
         out[t.name] = Split(dim, _layout(entry, shape[dim], evaluator(claims[0], rel), align))
     for shard in plan.params.values():  # tied names see the same split
         for alias in shard.aliases:

@@ -170,3 +170,33 @@ def test_a_bf16_mixtral_runs_grouped_mm_at_an_aligned_uneven_split(ranks, tmp_pa
     assert [r["width"] for r in per_rank] == [56, 48] and per_rank[0]["dtype"] == "torch.bfloat16", per_rank
     for r in per_rank:
         assert r["implementation"] == "grouped_mm" and r["max_diff"] <= 2e-2 * r["scale"], r
+
+
+# -- interleaved sections with biases (gpt-oss) ------------------------------------------------------------
+def _gpt_oss_uneven() -> tuple[str, int]:
+    mapping = verify.resolve("gpt_oss").mapping
+    return "gpt_oss", next(i for i, v in enumerate(mapping.verify) if v.name == "uneven")
+
+
+def test_gpt_oss_keeps_whole_pairs_and_splits_its_bias_like_its_weight():
+    """gate_up_proj [E, H, 2I] interleaves gate and up ([g0 u0 g1 u1 ...]): each rank holds whole pairs, in the
+    grouped matmul's units (I = 40: 10 units of 4 fp32 pairs, 4/3/3 at 3 ranks), and gate_up_proj_bias [E, 2I]
+    (2-D, never aligned on its own) the same columns; down_proj's I matches the pairs."""
+    ref, index = _gpt_oss_uneven()
+    model = verify.build_model(ref, index, "GptOssForCausalLM")
+    plan = tpmap.plan(model, 3)
+    experts = "model.layers.0.mlp.experts"
+    up, bias, down = (plan.params[f"{experts}.{n}"] for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj"))
+    assert [up.indices(r) for r in range(3)] == [bias.indices(r) for r in range(3)]
+    assert [up.indices(r) for r in range(3)] == [list(range(0, 32)), list(range(32, 56)), list(range(56, 80))]
+    assert [down.indices(r) for r in range(3)] == [list(range(0, 16)), list(range(16, 28)), list(range(28, 40))]
+    assert next(u.values for u in plan.updates if u.attribute == "intermediate_size") == (16, 12, 12)
+
+
+def test_gpt_oss_with_interleaved_pairs_split_unevenly_is_exact(ranks):
+    """Forward and every fp64 gradient at 3 ranks against the unsharded model (planted: the bias split by elements,
+    28/26/26 beside a weight of 32/24/24, fails its forward; the sections read one after the other, not
+    interleaved, is O(1) off)."""
+    ref, index = _gpt_oss_uneven()
+    per_rank = ranks(3).run(rank_cases.prove_case, ref, index, "GptOssForCausalLM", True, False)
+    _assert_exact(ref, index, "GptOssForCausalLM", 3, per_rank, generate=False)

@@ -300,6 +300,12 @@ class _Layout(_Strict):
         "unevenly: each rank then holds every key/value head its query heads read (docs/mapping-schema.md, "
         "uneven world sizes)",
     )
+    interleaved: StrictBool = Field(
+        False,
+        description="the N equal sections of 'sections: N' are interleaved feature by feature ([a0 b0 a1 b1 "
+        "...], gpt-oss's gate_up_proj) instead of stored one after the other: each rank keeps features j of every "
+        "section, still interleaved (a split of the N-wide features j, so no pair is ever cut)",
+    )
     groups: Expr | None = Field(
         None,
         description="the split dimension is this many equal groups, each laid out by 'sections' (Falcon's "
@@ -316,6 +322,10 @@ class _Layout(_Strict):
         n = self.sections if isinstance(self.sections, int) else len(self.sections or [])
         if self.sections is not None and n < 2:
             raise ValueError("'sections' needs at least 2 blocks; leave it out for an unfused weight")
+        if self.interleaved and (not isinstance(self.sections, int) or self.heads is not None
+                                 or self.groups is not None):
+            raise ValueError("interleaved: true needs 'sections: N' (a number: the sections interleaved feature "
+                             "by feature) and no 'heads' or 'groups'")
         if fused and self.sections is not None and n != 3:
             raise ValueError(f"combined_qkv means 3 sections [q | k | v], but 'sections' gives {n}")
         if isinstance(self.sections, list) and (self.heads is not None or self.query_heads is not None):
@@ -823,7 +833,7 @@ class Mapping(_Strict):
         if tagged and self.experts is None:
             raise ValueError(f"entries are given for the experts placement {' and '.join(sorted(tagged))}: set the "
                              "mapping's default, `experts: split` or `experts: parallel`")
-        if self.experts is not None and self.experts not in tagged:
+        if self.experts is not None and self.experts not in tagged and not self.compose:
             raise ValueError(f"experts: {self.experts} is the default placement, but no entry is given for it (an "
                              f"entry with `experts: {self.experts}`)")
         return self
