@@ -188,8 +188,8 @@ def test_gpt_oss_keeps_whole_pairs_and_splits_its_bias_like_its_weight():
     experts = "model.layers.0.mlp.experts"
     up, bias, down = (plan.params[f"{experts}.{n}"] for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj"))
     assert [up.indices(r) for r in range(3)] == [bias.indices(r) for r in range(3)]
-    assert [up.indices(r) for r in range(3)] == [list(range(0, 32)), list(range(32, 56)), list(range(56, 80))]
-    assert [down.indices(r) for r in range(3)] == [list(range(0, 16)), list(range(16, 28)), list(range(28, 40))]
+    assert [up.indices(r) for r in range(3)] == [list(range(32)), list(range(32, 56)), list(range(56, 80))]
+    assert [down.indices(r) for r in range(3)] == [list(range(16)), list(range(16, 28)), list(range(28, 40))]
     assert next(u.values for u in plan.updates if u.attribute == "intermediate_size") == (16, 12, 12)
 
 
