@@ -90,6 +90,11 @@ def _planned(digest: str) -> bool:
 # layer's own KV heads (per_layer_config) with num_key_value_groups updated: the same pieces at 2 and 4 plus the
 # Update; at 8 the global layers' 4 KV heads are held whole by the ranks whose query heads use them (main's plan cut
 # each in half). Their verify configs prove them at every size they list.
+# The three t5gemma entries too: its q/k/v were plain feature splits (no dotted names then to read each stack's head
+# counts), right only where the world size divides both stacks' KV heads. Now split by heads with query_heads and a
+# num_key_value_groups Update per stack: at 2 and 4 (gqa-kv4) and 3 and 6 (gqa-kv6) the same pieces plus an Update to
+# the unchanged value; where main's plan cut a head in half (gqa-kv4 at 8, gqa-kv6 at 2, 4 and 8: the decoder's 3 KV
+# heads of 16) it failed in the forward's view, and now holds whole heads or refuses more ranks than query heads.
 
 
 def _same_as_main(cases) -> None:
