@@ -153,3 +153,15 @@ def test_every_expert_parallel_mapping_has_the_unsharded_gradients(ranks, ref, i
     planted routing bugs are off by O(1). At ws 4 some ranks' experts often draw no token at all."""
     for r in ranks(world_size).run(rank_cases.grad_case, ref, index, class_name, False, torch.float64):
         assert r["rels"] and max(r["rels"].values()) < 1e-5, r
+
+
+def test_every_moe_mapping_places_its_experts_both_ways_or_says_why_not():
+    """Issue 38's bar: a mapping whose entries split an experts module gives `experts: parallel` too, or its file says
+    why not (a comment 'Experts placement: split only ... -- <reason>')."""
+    silent = []
+    for name, path in sorted(source.shipped_files().items()):
+        mapping = source.read_file(path).mapping
+        moe = any("experts" in e.module.rsplit(".", 1)[-1] for e in mapping.entries if e.kind in ("Param", "Reduce"))
+        if moe and mapping.experts is None and "# Experts placement: split only" not in path.read_text():
+            silent.append(name)
+    assert not silent, silent
