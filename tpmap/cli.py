@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+NOTHING_VERIFIED = 3  # tpmap verify's exit status when every mapping named was skipped (documented in its --help)
 
 
 def _verify(args) -> int:
@@ -25,8 +28,9 @@ def _verify(args) -> int:
         return 2
     unknown = [m for m in refs if m not in shipped and not m.endswith((".yaml", ".yml"))]
     if unknown:
-        print(f"tpmap verify: no mapping for {', '.join(unknown)}; supported: {', '.join(shipped)} "
-              "(or give a path to a .yaml file)", file=sys.stderr)
+        for name in unknown:
+            print(f"tpmap verify: {source.unknown_model_type(name, shipped)} (Or give a path to a .yaml file.)",
+                  file=sys.stderr)
         return 2
     from tpmap.compat import check_transformers, mapping_applies
 
@@ -38,7 +42,9 @@ def _verify(args) -> int:
     refs = [r for r in refs if r not in skipped]
     case_list = verify.cases(refs, args.world_size)
     if not case_list and skipped:
-        return 0
+        print(f"tpmap verify: nothing verified: {', '.join(skipped)} need another transformers release",
+              file=sys.stderr)
+        return NOTHING_VERIFIED
     if not case_list:
         print("tpmap verify: no case matches those world sizes", file=sys.stderr)
         return 2
@@ -148,12 +154,31 @@ def _export_checkpoint(args) -> int:
     return 0
 
 
+def _version() -> str:
+    """tpmap's version and those of the libraries it runs on, read from the installed metadata (no import)."""
+    from importlib import metadata
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return (f"tpmap {installed('tpmap')} (torch {installed('torch')}, transformers {installed('transformers')}, "
+            f"python {sys.version.split()[0]})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpmap", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=_version(), help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks")
-    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml")
+    p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks",
+                       description="Prove mappings on their embedded tiny configs: the sharded model against the "
+                       "unsharded one on real gloo ranks (forward, parameter share, collectives). Exit status: 0 "
+                       "every case passed, 1 a case failed, 2 usage error, "
+                       f"{NOTHING_VERIFIED} nothing verified (every mapping named needs another transformers release).")
+    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml",
+                   help="shipped model types or mapping files to prove")
     p.add_argument("--all", action="store_true", help="every shipped mapping")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
@@ -161,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("plan", help="print which rank holds which slice, without running anything")
-    p.add_argument("model_type")
-    p.add_argument("-n", "--world-size", dest="n", type=int, required=True)
+    p.add_argument("model_type", metavar="MODEL_TYPE|FILE.yaml", help="a shipped model type or a mapping file")
+    p.add_argument("-n", "--world-size", dest="n", type=int, required=True, help="the world size to plan for")
     p.add_argument("--rank", type=int, default=None, help="only this rank's pieces")
     p.add_argument("--default-config", action="store_true", help="the model type's default config, not the tiny one")
     p.add_argument("--model-class", default=None, help="transformers class (default: the first in the mapping)")
@@ -213,6 +238,9 @@ def main(argv=None) -> int:
         return args.func(args)
     except TpmapError as e:
         print(f"tpmap {args.command}: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader stopped early (`tpmap schema | head`): no traceback, as cat or grep
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit cannot raise again
         return 1
 
 

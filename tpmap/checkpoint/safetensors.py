@@ -175,7 +175,7 @@ class Checkpoint:
                 raise CheckpointError(f"{folder} is a file; pass the model folder that holds config.json and the "
                                       "safetensors files")
             raise CheckpointError(f"no folder {folder}; tpmap.from_pretrained reads a local model folder (download it "
-                                  "first, e.g. `huggingface-cli download ORG/MODEL --local-dir DIR`)")
+                                  "first, e.g. `hf download ORG/MODEL --local-dir DIR`)")
         index = folder / with_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
         single = folder / with_variant(SAFE_WEIGHTS_NAME, variant)
         if single.is_file():  # transformers' order: the single file first

@@ -11,6 +11,7 @@ length (a 5000-digit integer). Each violation is a located `MappingError`, never
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.resources
 from dataclasses import dataclass, field
@@ -397,9 +398,40 @@ def _listing(folder: Path, mtime_ns: int) -> tuple[tuple[str, Path], ...]:
 def for_model_type(model_type: str) -> MappingFile:
     files = shipped_files()
     if model_type not in files:
-        raise UnknownModelTypeError(
-            f"no tpmap mapping for model_type {model_type!r}{did_you_mean(model_type, files)}. "
-            f"Supported: {', '.join(files) or '(none)'}. To add one, write mappings/{model_type}.yaml and "
-            f"prove it with `tpmap lint` and `tpmap verify {model_type}`, or pass mapping=PATH to tpmap.apply."
-        )
+        raise UnknownModelTypeError(unknown_model_type(model_type, files))
     return read_file(files[model_type])
+
+
+REFUSED = Path(__file__).resolve().parents[2] / "docs" / "refused.md"  # in a source checkout; absent in a wheel
+
+
+def refusal(model_type: str, page: Path = REFUSED) -> str | None:
+    """What docs/refused.md says of a model type it lists (items "- a, b: reason", continued on indented lines), or
+    None."""
+    if not page.is_file():
+        return None
+    items: list[str] = []
+    for line in page.read_text().splitlines():
+        if line.startswith("- "):
+            items.append(line[2:])
+        elif line.startswith("  ") and items:
+            items[-1] += " " + line.strip()
+        else:
+            items and items.append("")  # a paragraph ends the item
+    for item in items:
+        names, sep, reason = item.partition(":")
+        if sep and model_type in [n.split()[0] for n in names.split(",") if n.split()]:
+            return reason.strip()
+    return None
+
+
+def unknown_model_type(model_type: str, files) -> str:
+    """Why there is no mapping for `model_type`: its refusal where docs/refused.md gives one, the three nearest
+    shipped types, where the list of all of them is, and how to add one."""
+    nearest = difflib.get_close_matches(model_type, list(files), n=3, cutoff=0.0)
+    reason = refusal(model_type)
+    why = f" docs/refused.md: {reason}" if reason else ""
+    return (f"no tpmap mapping for model_type {model_type!r}.{why} Nearest shipped types: {', '.join(nearest)}; "
+            f"all {len(files)}: MODELS.md; types refused or not yet shipped, with the reason: docs/refused.md. To add "
+            f"one, write mappings/{model_type}.yaml and prove it with `tpmap lint` and `tpmap verify {model_type}`, or "
+            "pass mapping=PATH to tpmap.apply.")

@@ -124,7 +124,7 @@ def _devices(device, world_size: int) -> tuple[str, ...]:
                                "device per worker, or set CUDA_VISIBLE_DEVICES")
     if torch.cuda.device_count() < world_size:
         raise ParallelizeError(f"{world_size} workers need {world_size} GPUs; this machine has "
-                               f"{torch.cuda.device_count()}")
+                               f"{torch.cuda.device_count()}: pass device='cpu' to run the workers on the CPU")
     return tuple(f"cuda:{r}" for r in range(world_size))
 
 

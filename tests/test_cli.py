@@ -1,0 +1,111 @@
+"""The command line's first-hour behaviour (issue 39): --version, a start-up without torch, a cut pipe, the unknown
+model type's message, a verify that verified nothing, and the hints in two messages a new user meets first."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tpmap
+from tpmap import cli
+from tpmap.language import source
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_version_names_tpmap_torch_and_transformers(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    from importlib import metadata
+    assert tpmap.__version__ == metadata.version("tpmap")  # the package's and pyproject's agree
+    assert out.startswith(f"tpmap {tpmap.__version__} (torch ") and ", transformers " in out and ", python 3." in out
+
+
+def test_help_and_version_start_without_torch_or_transformers():
+    """`import tpmap` is lazy (PEP 562): the parser, --help and --version import neither (4.8 s -> 0.1 s here)."""
+    probe = _run("import sys, tpmap, tpmap.cli\n"
+                 "tpmap.cli.build_parser().format_help()\n"
+                 "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+                 "tpmap.apply  # a public name still resolves, importing what it needs\n"
+                 "print('torch' in sys.modules)")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+def test_every_public_name_resolves_and_is_listed():
+    assert set(tpmap.__all__) == set(tpmap._WHERE)
+    import importlib
+    for name in tpmap.__all__:  # the object its module defines (LoadError is OtherRankError under an older name)
+        assert getattr(tpmap, name) is getattr(importlib.import_module(tpmap._WHERE[name]), name)
+        assert name in dir(tpmap)
+    with pytest.raises(AttributeError, match="has no attribute 'aply'"):
+        tpmap.aply  # noqa: B018
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    done = subprocess.run(f"{sys.executable} -m tpmap schema | head -1", shell=True, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout == "{\n" and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_an_unknown_model_type_names_the_nearest_three_and_where_to_look():
+    files = source.shipped_files()
+    message = source.unknown_model_type("lama", files)
+    assert "Nearest shipped types: llama, mllama, llama4;" in message
+    assert f"all {len(files)}: MODELS.md" in message and "docs/refused.md" in message
+    assert "gpt2" not in message and len(message) < 600  # not the 4.4 KB list of every type
+    refused = source.unknown_model_type("ibert", files)  # refused for good: its reason, from docs/refused.md
+    assert "docs/refused.md: every projection is ibert's QuantLinear" in refused
+    continued = source.unknown_model_type("gemma3n", files)  # an item continued on indented lines, named with notes
+    assert "docs/refused.md: its vision tower is `TimmWrapperModel`" in continued and "CI therefore" in continued
+    with pytest.raises(tpmap.UnknownModelTypeError, match="Nearest shipped types: llama, mllama, llama4"):
+        source.for_model_type("lama")
+
+
+def test_verify_of_an_unknown_type_prints_the_short_message(capsys):
+    assert cli.main(["verify", "lama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpmap verify: no tpmap mapping for model_type 'lama'. Nearest shipped types:")
+    assert len(err) < 700
+
+
+def test_a_verify_that_verified_nothing_exits_3_and_says_so(tmp_path, capsys):
+    text = (ROOT / "mappings" / "gpt2.yaml").read_text().replace("model_type: gpt2\n",
+                                                                "model_type: gpt2\ntransformers: '<1.0'\n", 1)
+    path = tmp_path / "gpt2.yaml"
+    path.write_text(text)
+    assert cli.main(["verify", str(path), "-n", "2"]) == cli.NOTHING_VERIFIED == 3
+    captured = capsys.readouterr()
+    assert "not verified: the mapping needs transformers<1.0" in captured.out
+    assert "tpmap verify: nothing verified:" in captured.err
+    assert "3 nothing verified" in cli.build_parser()._subparsers._group_actions[0].choices["verify"].description
+
+
+def test_a_missing_checkpoint_folder_suggests_hf_download(tmp_path):
+    from tpmap.checkpoint.safetensors import Checkpoint
+    with pytest.raises(tpmap.CheckpointError, match=r"`hf download ORG/MODEL --local-dir DIR`"):
+        Checkpoint.open(tmp_path / "absent")
+
+
+def test_more_gpu_workers_than_gpus_suggests_the_cpu():
+    import torch
+
+    from tpmap.parallelize.handle import _devices
+    with pytest.raises(tpmap.ParallelizeError, match=r"this machine has \d+: pass device='cpu' to run the workers"):
+        _devices("cuda", torch.cuda.device_count() + 1)
+
+
+def test_every_cli_argument_has_a_line_of_help():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    missing = [f"{name} {action.dest}" for name, sub in commands.items() for action in sub._actions
+               if not action.help and action.dest != "help"]
+    assert not missing, missing
