@@ -58,7 +58,8 @@ def test_verify_cli_passes_and_prints_the_table():
 
 def test_verify_cli_rejects_unknown_model_types():
     proc = _verify_cli("not_a_model")
-    assert proc.returncode == 2 and "no tpmap mapping for model_type 'not_a_model'. Nearest shipped types:" in proc.stderr
+    assert proc.returncode == 2
+    assert "no tpmap mapping for model_type 'not_a_model'. Nearest shipped types:" in proc.stderr
 
 
 def _meta(ref: str, index: int = 0, class_name: str | None = None):
