@@ -134,8 +134,8 @@ def test_github_format():
     assert lines[0] == (
         "::error file=tests/lint/cases/typo_key.yaml,line=10,col=5,title=tpmap lint [unknown-key]::"
         "unknown key 'combined_qvk' (did you mean combined_qkv?); valid keys here: module, when, experts, when_layer, "
-        "transformers, classes, sections, heads, query_heads, interleaved, groups, reverse, combined_qkv, gather_output, "
-        "copy_input"
+        "transformers, classes, sections, heads, query_heads, interleaved, groups, reverse, combined_qkv, "
+        "gather_output, copy_input"
     )
     # the message's own ':' and ',' stay as they are in the data part; properties are escaped
     assert lines[1].startswith("::error file=tests/lint/cases/yaml_syntax.yaml,line=35,col=11,")
