@@ -159,3 +159,17 @@ def test_deepseek_mla_gradients_need_enter_copy_input_and_grad_allreduce(ranks, 
     path = str(edited_copy(tmp_path, f"deepseek_v3-{name}", "deepseek_v3", old, new, every=True))
     for r in ranks(2).run(rank_cases.grad_case, path, 0, "DeepseekV3ForCausalLM", False, torch.float64):
         assert r["worst_rel"] > 1e-2 and any(where in n for n, rel in r["rels"].items() if rel > 1e-2), r
+
+
+def test_jetmoe_refuses_more_ranks_than_kv_heads_instead_of_copying_them():
+    """JetMoE's query heads ride on its KV heads inside a partial sum: a KV head held by two ranks (the even rule's
+    replication, 4 heads at 8) would count its query heads twice. Its Params say replicate_heads: false; before,
+    per_rank(num_key_value_heads) let ws 8 plan (planted: the flag ignored fails this)."""
+    from tpmap import verify
+    from tpmap.errors import DivisibilityError
+    model = verify.build_model("jetmoe", 1, "JetMoeForCausalLM")  # untied-top1: 4 KV heads
+    refused = (r"jetmoe\.yaml:\d+:\d+: .*4 heads cannot be split over world size 8 "
+               r".*replicate_heads: false cannot\); world sizes that work: 1, 2, 3, 4")
+    with pytest.raises(DivisibilityError, match=refused):
+        tpmap.plan(model, 8)
+    assert tpmap.plan(model, 3).uneven  # 2/1/1 heads: served

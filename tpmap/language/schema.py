@@ -429,6 +429,11 @@ class Param(_Layout, _Entry):
     partial: StrictBool = Field(
         False, description="a term of a partial sum: kept on rank 0, zeros on the others (no dim)"
     )
+    replicate_heads: StrictBool = Field(
+        True, description="false: with fewer heads than ranks, refuse the world size (naming those that work) "
+        "instead of holding a head on several ranks -- for heads whose copies would count twice (JetMoE's key/value "
+        "heads, on which its query heads ride, inside a partial sum)",
+    )
 
     @model_validator(mode="after")
     def _dim_or_partial(self):
