@@ -171,7 +171,8 @@ def test_a_module_list_of_kv_heads_shared_by_two_ranks_is_refused_naming_sizes_t
     for ws in (3, 5):
         with pytest.raises(tpmap.DivisibilityError, match=r"k_layernorm\.norms: 4 heads cannot be split over world "
                            rf"size {ws} \(ranks whose query heads share a head would both hold it, and a Row's "
-                           r"input or a ModuleList cannot\); world sizes that work: 1, 2, 4$"):
+                           r"input, a ModuleList or a Param with replicate_heads: false cannot\); world sizes that "
+                           r"work: 1, 2, 4$"):
             tpmap.plan(model, ws)
     tpmap.plan(model, 4)
 
