@@ -24,6 +24,7 @@ that returns the prefix of that module's own base model and a description of it,
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str
                            loaded.source.value(("compose",)), "compose")
     experts = mapping.experts or (placements.pop() if placements else None)
     expanded = mapping.model_copy(update={"compose": [], "experts": experts, **lists})
-    return MappingFile(expanded, source, loaded.data, scopes, loaded.chosen_experts)
+    return dataclasses.replace(loaded, mapping=expanded, source=source, scopes=scopes)  # every other field kept
 
 
 def _absent(item: Compose, config, submodel: SubModels) -> bool:

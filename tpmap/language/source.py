@@ -416,8 +416,8 @@ def refusal(model_type: str, page: Path = REFUSED) -> str | None:
             items.append(line[2:])
         elif line.startswith("  ") and items:
             items[-1] += " " + line.strip()
-        else:
-            items and items.append("")  # a paragraph ends the item
+        elif items:
+            items.append("")  # a paragraph ends the item
     for item in items:
         names, sep, reason = item.partition(":")
         if sep and model_type in [n.split()[0] for n in names.split(",") if n.split()]:
