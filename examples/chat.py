@@ -18,34 +18,14 @@ The same lines work in a notebook, one per cell:
 from __future__ import annotations
 
 import argparse
-import string
 import sys
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, TextStreamer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 import tpmap
-from tpmap.verify import build_model
-
-
-def tiny_model(folder: str) -> None:
-    """A tiny random Llama (the mapping's first verify config, weights with a wide spread so that greedy
-    decoding does not just repeat a token) and a character-level tokenizer, saved to `folder`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    model = build_model("llama", 0, "LlamaForCausalLM")
-    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3}
-    for char in string.printable:
-        vocab.setdefault(char, len(vocab))
-    chars = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    chars.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    chars.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chars, pad_token="<pad>", unk_token="<unk>",
-                                        bos_token="<s>", eos_token="</s>")
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+from tpmap.demo import tiny_checkpoint  # a tiny Llama with fixed weights and a character-level tokenizer
 
 
 def prompt_ids(tokenizer, text: str) -> torch.Tensor:
@@ -70,7 +50,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tiny:
         folder = args.model
         if folder is None:
-            tiny_model(tiny)
+            tiny_checkpoint(tiny)
             folder = tiny
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = getattr(torch, args.dtype) if args.dtype else None

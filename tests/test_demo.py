@@ -1,0 +1,34 @@
+"""`tpmap demo`, the README's main job: a tiny Llama with fixed weights sharded over 2 CPU workers by tpmap.parallelize,
+its greedy tokens compared with the unsharded model's in the same run; and the comparison's failing side."""
+from __future__ import annotations
+
+import io
+
+import torch
+import transformers
+
+from tpmap import cli, demo
+
+
+def test_the_demo_generates_the_unsharded_tokens_on_two_cpu_workers(capsys):
+    assert cli.main(["demo", "--new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    sharded = next(line for line in out.splitlines() if line.startswith("sharded over 2"))
+    unsharded = next(line for line in out.splitlines() if line.startswith("unsharded"))
+    assert sharded.split(None, 3)[3] == unsharded.split(None, 1)[1]  # the same token ids and text
+    assert "equal: yes" in out
+
+
+def test_the_demo_fails_when_the_tokens_differ(monkeypatch):
+    """Planted: the unsharded model loaded with one weight perturbed -- the demo must say so and exit 1."""
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def perturbed(*args, **kwargs):
+        model = load(*args, **kwargs)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1)
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", perturbed)
+    out = io.StringIO()
+    assert demo.run(new_tokens=8, out=out) == 1
+    assert "equal: NO" in out.getvalue()
