@@ -109,3 +109,28 @@ def test_every_cli_argument_has_a_line_of_help():
     missing = [f"{name} {action.dest}" for name, sub in commands.items() for action in sub._actions
                if not action.help and action.dest != "help"]
     assert not missing, missing
+
+
+def test_verify_shows_progress_and_lines_up_long_names():
+    from tpmap import verify
+    assert verify.progress(3, 12, 61.0) == "[3/12 1:01 eta 3:03]"
+    assert verify.progress(1, 2236, 3.0) == "[1/2236 0:03 eta 1:51:45]"
+    short = verify.Case(ref="gpt2", model_type="gpt2", verify_index=0, config_name="mha12",
+                        class_name="GPT2LMHeadModel", world_size=2)
+    long = verify.Case(ref="granite_speech_plus", model_type="granite_speech_plus", verify_index=0,
+                       config_name="mha12 [parallel]", class_name="GraniteSpeechPlusForConditionalGeneration",
+                       world_size=2)
+    widths = verify.Widths.of([short, long])
+    def result(case):
+        return verify.Result(case=case, passed=True, max_diff=1e-6, rel_diff=1e-7, params_local=5, params_full=10,
+                             collectives={"all_reduce": 5})
+    rows = [verify._row(result(c), 0.1, widths, "[1/2 0:01 eta 0:01]") for c in (short, long)]
+    head = verify.header([short, long])
+    column = head.index("tp_size") + len("tp_size") - 1  # the world size is right-aligned under its header
+    assert all(row[column] == "2" and row[column + 1] == " " for row in rows), [head, *rows]
+    assert all(row.endswith("pass (0.1s) [1/2 0:01 eta 0:01]") for row in rows)
+
+
+def test_verify_takes_a_filter(capsys):
+    assert cli.main(["verify", "gpt2", "-n", "1", "-k", "no such case"]) == 2
+    assert "no case matches those world sizes and that filter" in capsys.readouterr().err

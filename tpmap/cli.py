@@ -42,14 +42,16 @@ def _verify(args) -> int:
         print(f"{r}: not verified: the mapping needs transformers{needs[r]}", flush=True)
     refs = [r for r in refs if r not in skipped]
     case_list = verify.cases(refs, args.world_size)
+    if args.filter:  # a substring of 'model_type config class' (e.g. "[parallel]", "Model", "moe")
+        case_list = [c for c in case_list if args.filter in f"{c.model_type} {c.config_name} {c.class_name}"]
     if not case_list and skipped:
         print(f"tpmap verify: nothing verified: {', '.join(skipped)} need another transformers release",
               file=sys.stderr)
         return NOTHING_VERIFIED
     if not case_list:
-        print("tpmap verify: no case matches those world sizes", file=sys.stderr)
+        print("tpmap verify: no case matches those world sizes and that filter", file=sys.stderr)
         return 2
-    print(verify.HEADER, flush=True)
+    print(verify.header(case_list), flush=True)
     results = verify.run(case_list, timeout=args.timeout, log=lambda line: print(line, flush=True),
                          verbose=args.verbose)
     failed = [r for r in results if not r.passed]
@@ -199,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shipped model types or mapping files to prove")
     p.add_argument("--all", action="store_true", help="every shipped mapping")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
+    p.add_argument("-k", "--filter", default=None, metavar="TEXT",
+                   help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
     p.add_argument("--verbose", "-v", action="store_true", help="every failing rank's whole traceback")
     p.set_defaults(func=_verify)

@@ -457,8 +457,11 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
 
 def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False) -> list[Result]:
     """Run the cases, one RankPool per world size; world size 1 runs in this process. A failing case
-    reports one line per rank (its exception); `verbose` gives every rank's whole traceback."""
+    reports one line per rank (its exception); `verbose` gives every rank's whole traceback. Each row ends with the
+    progress: cases done of the total, the time so far and an estimate of the time left."""
     results = []
+    widths = Widths.of(case_list)
+    start = time.monotonic()
     for tp_size in sorted({c.world_size for c in case_list}):
         todo = [c for c in case_list if c.world_size == tp_size]
         pool = RankPool(tp_size) if tp_size > 1 else None
@@ -474,15 +477,49 @@ def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool 
                 except Exception as e:  # world size 1 runs here: report it like a rank failure
                     res = Result(case=case, passed=False, error=f"{type(e).__name__}: {e}")
                 results.append(res)
-                log(_row(res, time.monotonic() - t0))
+                now = time.monotonic()
+                log(_row(res, now - t0, widths, progress(len(results), len(case_list), now - start)))
         finally:
             if pool:
                 pool.close()
     return results
 
 
-HEADER = (f"{'model_type':<12} {'config':<9} {'class':<32} {'tp_size':>7} {'max|diff|':>10} {'rel':>9} "
-          f"{'params/rank':>12} {'of full':>8} {'comm/fwd':>9}  result")
+def progress(done: int, total: int, elapsed: float) -> str:
+    """'[12/2236 0:41 eta 2:07:03]': cases done of the total, the time so far, the time left at the mean pace."""
+    def clock(seconds: float) -> str:
+        minutes, sec = divmod(int(seconds), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02}:{sec:02}" if hours else f"{minutes}:{sec:02}"
+    left = elapsed / done * (total - done) if done else 0.0
+    return f"[{done}/{total} {clock(elapsed)} eta {clock(left)}]"
+
+
+@dataclass(frozen=True)
+class Widths:
+    """The widths of the table's name columns: the longest model type, config and class among the cases (at least
+    the header's), so that every row lines up whatever the names."""
+    model_type: int = 12
+    config: int = 9
+    cls: int = 32
+
+    @classmethod
+    def of(cls, case_list) -> Widths:
+        return cls(max([12] + [len(c.model_type) for c in case_list]),
+                   max([9] + [len(c.config_name) for c in case_list]),
+                   max([32] + [len(c.class_name) for c in case_list]))
+
+    def names(self, model_type: str, config: str, class_name: str) -> str:
+        return f"{model_type:<{self.model_type}} {config:<{self.config}} {class_name:<{self.cls}}"
+
+
+def header(case_list=()) -> str:
+    """The table's header line, its name columns as wide as `case_list`'s names (`Widths`)."""
+    return (f"{Widths.of(case_list).names('model_type', 'config', 'class')} {'tp_size':>7} {'max|diff|':>10} "
+            f"{'rel':>9} {'params/rank':>12} {'of full':>8} {'comm/fwd':>9}  result")
+
+
+HEADER = header()  # with the default widths
 
 
 def comm_summary(counts: dict | None) -> str:
@@ -497,13 +534,13 @@ def comm_summary(counts: dict | None) -> str:
     return "+".join(f"{n}{k}" for k, n in merged.items() if n)
 
 
-def _row(r: Result, seconds: float) -> str:
+def _row(r: Result, seconds: float, widths: Widths = Widths(), progress: str = "") -> str:
     c = r.case
+    names = widths.names(c.model_type, c.config_name, c.class_name)
     if r.max_diff is None:
-        return (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>7} {'-':>10} {'-':>9} "
-                f"{'-':>12} {'-':>8} {'-':>9}  FAIL\n{r.error}")
+        return (f"{names} {c.world_size:>7} {'-':>10} {'-':>9} {'-':>12} {'-':>8} {'-':>9}  FAIL {progress}\n"
+                f"{r.error}")
     frac = r.params_local / r.params_full
-    line = (f"{c.model_type:<12} {c.config_name:<9} {c.class_name:<32} {c.world_size:>7} {r.max_diff:>10.2e} "
-            f"{r.rel_diff:>9.1e} {r.params_local:>12,} {frac:>8.1%} {comm_summary(r.collectives):>9}  "
-            f"{'pass' if r.passed else 'FAIL'} ({seconds:.1f}s)")
-    return line + (f"\n    {r.error}" if r.error else "")
+    line = (f"{names} {c.world_size:>7} {r.max_diff:>10.2e} {r.rel_diff:>9.1e} {r.params_local:>12,} {frac:>8.1%} "
+            f"{comm_summary(r.collectives):>9}  {'pass' if r.passed else 'FAIL'} ({seconds:.1f}s) {progress}")
+    return line.rstrip() + (f"\n    {r.error}" if r.error else "")
