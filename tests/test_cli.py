@@ -134,3 +134,17 @@ def test_verify_shows_progress_and_lines_up_long_names():
 def test_verify_takes_a_filter(capsys):
     assert cli.main(["verify", "gpt2", "-n", "1", "-k", "no such case"]) == 2
     assert "no case matches those world sizes and that filter" in capsys.readouterr().err
+
+
+def test_the_command_prints_no_third_party_noise_and_the_library_keeps_it():
+    """tpmap lint imports transformers, which imports torchao (the test extra): without the quieting, stderr carried
+    torchao's 'Failed to load ...' lines and torch's pytree deprecation warnings. A program importing tpmap is left
+    alone (the quieting is the command's, passed to its ranks through the environment)."""
+    lint = subprocess.run([sys.executable, "-m", "tpmap", "lint", "mappings/gpt2.yaml"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert lint.returncode == 0 and lint.stdout == "1 file linted, no errors\n"
+    assert lint.stderr == ""
+    library = _run("import os, tpmap.api, tpmap.parallelize.rank_processes\n"
+                   "from tpmap.parallelize.quiet import ENV\n"
+                   "print(os.environ.get(ENV), os.environ.get('TRANSFORMERS_VERBOSITY'))")
+    assert library.stdout == "None None\n"

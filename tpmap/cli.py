@@ -256,6 +256,9 @@ def main(argv=None) -> int:
     from tpmap.language.errors import TpmapError
 
     args = build_parser().parse_args(argv)
+    from tpmap.parallelize.quiet import quiet
+
+    quiet()  # third-party noise that tpmap's own commands trigger (before transformers is imported)
     try:
         return args.func(args)
     except TpmapError as e:

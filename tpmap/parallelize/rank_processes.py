@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from tpmap.engine import shm
 from tpmap.parallelize import wire
+from tpmap.parallelize.quiet import quiet_if_asked
 
 _PARENT_POLL_S = 0.2  # how often a rank checks that its parent is alive
 _STOP = None  # the message that asks a rank to leave its loop
@@ -161,6 +162,7 @@ def _collectives() -> int | None:
 
 def _worker(rank: int, world_size: int, port: int, conn, parent: int, setup: Setup) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group; the driver decides
+    quiet_if_asked()  # the tpmap command's ranks: no third-party noise (tpmap.parallelize.quiet)
     _watch_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
