@@ -279,3 +279,16 @@ def test_unknown_key_in_a_verify_input_lists_the_input_keys():
     with pytest.raises(MappingErrors) as e:
         source.load_text(text, "whisper.yaml")
     assert "unknown key 'shap' (did you mean shape?); valid keys here: shape, kind" in str(e.value), str(e.value)
+
+
+def test_warnings_point_at_the_users_line(monkeypatch):
+    """A warning raised deep inside tpmap (here the untested-release override, three calls down from tpmap.plan) is
+    attributed to the user's line, not to tpmap/compat.py (PartialMappingWarning pointed at tpmap/api.py:170)."""
+    import tpmap.compat
+    monkeypatch.setattr(tpmap.compat, "TRANSFORMERS", ">=99")  # the installed release falls outside the range
+    monkeypatch.setenv(tpmap.compat.OVERRIDE, "1")
+    import transformers
+    model = transformers.LlamaForCausalLM(verify.tiny_config("llama"))
+    with pytest.warns(UserWarning, match="is outside the range tpmap is tested on") as record:
+        tpmap.plan(model, 2)
+    assert record[0].filename == __file__, record[0].filename

@@ -10,11 +10,10 @@ refusal into a warning, for trying a newer release (then run ``tpmap verify`` on
 from __future__ import annotations
 
 import os
-import warnings
 
 import transformers
 
-from tpmap.api_errors import TransformersVersionError
+from tpmap.api_errors import TransformersVersionError, warn
 from tpmap.language.schema import release_matches
 
 TRANSFORMERS = ">=5.23,<5.25"
@@ -31,7 +30,7 @@ def check_transformers(version: str | None = None) -> None:
                f"proven on {' and '.join(PROVEN)}): install one of those, e.g. pip install 'transformers"
                f"{TRANSFORMERS}', or set {OVERRIDE}=1 to try it anyway and check your model with tpmap verify")
     if os.environ.get(OVERRIDE) == "1":
-        warnings.warn(message, stacklevel=3)
+        warn(message)
         return
     raise TransformersVersionError(message)
 

@@ -3,11 +3,9 @@ plan and its group, sequence parallelism's hooks, loss_parallel, the input check
 `tpmap.from_pretrained` both end here; the model is changed only from here on."""
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
-from tpmap.api_errors import PartialMappingWarning
+from tpmap.api_errors import PartialMappingWarning, warn
 from tpmap.engine import shard, shm
 from tpmap.engine.sequence import install_sequence_parallel
 from tpmap.input_check import check_generate_arguments, input_check
@@ -56,7 +54,7 @@ def _warn_partial(plan, share: float) -> None:
     _WARNED.add((plan.source, plan.tp_size))
     blocks = "; ".join(f"{pattern} ({count} module{'s' * (count != 1)}): {reason}"
                        for pattern, reason, count in plan.kept_whole)
-    warnings.warn(f"{plan.source} is a partial mapping: these blocks stay whole on every rank -- {blocks}. "
+    warn(f"{plan.source} is a partial mapping: these blocks stay whole on every rank -- {blocks}. "
                   f"Each rank holds {share:.1%} of the parameters at tp_size {plan.tp_size} "
                   f"(1/{plan.tp_size} = {1 / plan.tp_size:.1%} would be a complete split).",
-                  PartialMappingWarning, stacklevel=3)
+                  PartialMappingWarning)

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tpmap.api_errors import warn
 from tpmap.checkpoint.conversion import _ranges
 from tpmap.checkpoint.errors import CheckpointError, QuantizedCheckpointError, UnquantizedActivationsWarning
 from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
@@ -110,13 +110,13 @@ class CompressedWeights:
             tensors[prefix + "weight"] = dataclasses.replace(data, name=prefix + "weight", shape=shape,
                                                              dtype=parts["weight_scale"].dtype)
         if scheme.input_activations is not None:  # dynamic (static scales are refused by _scheme)
-            warnings.warn(
+            warn(
                 f"{folder / 'config.json'} quantizes each Linear's input per token on the fly "
                 f"({scheme.input_activations.num_bits}-bit {_value(scheme.input_activations.type)} activations); "
                 "tpmap.from_pretrained computes with the dequantized weights on unquantized inputs, so its logits "
                 "differ from a load that quantizes the activations (transformers' CPU path) by that quantization's "
                 "error, measured 3e-2 (int8) to 3e-1 (float8) relative on tiny random models (docs/quantization.md)",
-                UnquantizedActivationsWarning, stacklevel=3)
+                UnquantizedActivationsWarning)
         return cls(scheme, fmt, weights)
 
     def scale_of(self, stored: StoredTensor) -> StoredTensor | None:

@@ -31,11 +31,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from tpmap.api_errors import warn
 from tpmap.checkpoint.errors import CheckpointError
 from tpmap.checkpoint.safetensors import Checkpoint, StoredTensor
 from tpmap.engine.plan import ParamLayout
@@ -278,10 +278,9 @@ class Reader:
             return
         self._warned.add(ops)
         why = "lazy conversion is switched off" if not LAZY_CONVERSIONS else "these ops cannot be sliced lazily"
-        warnings.warn(f"tpmap: {name} is converted from {len(source.stored)} checkpoint tensors by transformers' "
+        warn(f"tpmap: {name} is converted from {len(source.stored)} checkpoint tensors by transformers' "
                       f"{ops}; {why}, so every rank reads the whole tensor, converts it and keeps its slice (one full "
-                      "converted tensor in memory at a time; benchmarks/load.py --whole-conversions measures it)",
-                      stacklevel=2)
+                      "converted tensor in memory at a time; benchmarks/load.py --whole-conversions measures it)")
 
     def _selection_for(self, name: str, source: Source, shard: ParamLayout, rank: int) -> _Selection | None:
         key = ("selection", id(source.converter), name, tuple(t.shape for _, t in source.stored), shard.full_shape,
