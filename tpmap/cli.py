@@ -256,9 +256,10 @@ def main(argv=None) -> int:
     from tpmap.language.errors import TpmapError
 
     args = build_parser().parse_args(argv)
-    from tpmap.parallelize.quiet import quiet
+    if argv is None:  # the tpmap command itself (a caller passing argv keeps its process's logging as it is)
+        from tpmap.parallelize.quiet import quiet
 
-    quiet()  # third-party noise that tpmap's own commands trigger (before transformers is imported)
+        quiet()  # third-party noise that tpmap's own commands trigger (before transformers is imported)
     try:
         return args.func(args)
     except TpmapError as e:
