@@ -66,6 +66,7 @@ class MappingFile:
     # composed items, by (list, index) in `mapping`: ("entries", 7) -> its Scope; none for this file's own
     scopes: dict[tuple[str, int], Scope] = field(default_factory=dict)
     chosen_experts: str | None = None  # the experts placement a call chose (`placed`); None: the mapping's default
+    numbers: tuple[int, ...] | None = None  # each entry's number in the file, where `salvage` dropped some
 
     @property
     def experts(self) -> str | None:
@@ -87,7 +88,7 @@ class MappingFile:
         entry = self.mapping.entries[index]
         scope = self.scopes.get(("entries", index))
         if scope is None:
-            return f"entry {index} ({entry.kind} {entry.module!r})"
+            return f"entry {self.numbers[index] if self.numbers else index} ({entry.kind} {entry.module!r})"
         return f"entry {scope.index} ({entry.kind} {entry.module[len(scope.prefix):]!r}), {scope.via}"
 
 
@@ -349,6 +350,47 @@ def _load_text(text: str, path: str) -> MappingFile:  # errors raise, so they ar
         errors.sort(key=lambda m: (m.position.line, m.position.col) if m.position else (0, 0))
         raise MappingErrors(errors) from None
     return MappingFile(mapping, src, data)
+
+
+def salvage(text: str, path: str) -> tuple[MappingFile, set[str]] | None:
+    """For `tpmap lint`'s single pass: the file without its entries and verify configs that fail the schema, so
+    that the structural rules still check the rest (positions and entry numbers stay the file's own), and which
+    lists lost items ("entries", "verify"). None where nothing fails, or a problem lies outside those items (the
+    YAML, a top-level key): then there is no rest."""
+    try:
+        data, src = parse_yaml(text, path)
+        Mapping.model_validate(data)
+        return None
+    except MappingErrors:
+        return None
+    except pydantic.ValidationError as e:
+        locs = [_data_loc(data, tuple(x["loc"])) for x in e.errors(include_url=False)]
+    bad: dict[str, set[int]] = {"entries": set(), "verify": set()}
+    for loc in locs:
+        if len(loc) < 2 or loc[0] not in bad or not isinstance(loc[1], int):
+            return None
+        bad[loc[0]].add(loc[1])
+    keep = {name: [i for i in range(len(data[name])) if i not in dropped] for name, dropped in bad.items()}
+    rest = {**data, **{name: [data[name][i] for i in kept] for name, kept in keep.items()}}
+    try:
+        mapping = Mapping.model_validate(rest)
+    except pydantic.ValidationError:
+        return None  # the rest fails on its own (an empty list): the schema errors are all there is
+    moved = {(name, old): new for name, kept in keep.items() for new, old in enumerate(kept)}
+    src = SourceMap(path, _renumbered(src.values, moved), _renumbered(src.keys, moved))
+    return MappingFile(mapping, src, rest, numbers=tuple(keep["entries"])), {name for name in bad if bad[name]}
+
+
+def _renumbered(positions: dict[tuple, Position], moved: dict[tuple, int]) -> dict[tuple, Position]:
+    """`positions` with the kept items' locations renumbered (("entries", 5, ...) -> ("entries", 4, ...)), the
+    dropped items' removed."""
+    out = {}
+    for loc, pos in positions.items():
+        if len(loc) < 2 or loc[0] not in ("entries", "verify"):
+            out[loc] = pos
+        elif loc[:2] in moved:
+            out[(loc[0], moved[loc[:2]], *loc[2:])] = pos
+    return out
 
 
 def read_file(path: str | Path) -> MappingFile:

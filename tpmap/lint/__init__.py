@@ -1,6 +1,7 @@
 """`tpmap lint`: check mapping files statically, before any rank runs them.
 
-Two layers of rules, all reported in one run (see `RULES` for the ids):
+Two layers of rules, all reported in one run (see `RULES` for the ids; where entries or verify configs fail the
+schema, the structural rules check the rest: `source.salvage`):
 
 * schema rules -- YAML syntax, duplicate keys, unknown keys and kinds, wrong types, invalid
   expressions (`tpmap.language.source`); config attributes the model type's config does not have;
@@ -53,12 +54,25 @@ def collect_files(paths: list[str] | None) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+# structural rules that a dropped item could fire falsely: a gap where a dropped Column or Row was, an entry whose
+# variant only a dropped verify config had
+_NEEDS_ALL = {"entries": ("coverage", "pairing"), "verify": ("when-never", "unsupported")}
+
+
 def lint_file(path: str) -> list[Diagnostic]:
-    """Every problem of one mapping file, sorted by position."""
+    """Every problem of one mapping file, sorted by position: its schema errors and, in the same pass, the
+    structural problems of the items that passed the schema (`source.salvage`)."""
     try:
-        loaded = source.load_text(source.read_text(path), path)
+        text = source.read_text(path)
+        loaded = source.load_text(text, path)
     except MappingErrors as e:
-        return sort([Diagnostic.from_error(m) for m in e.errors])
+        schema = [Diagnostic.from_error(m) for m in e.errors]
+        salvaged = source.salvage(text, path)
+        if salvaged is None:
+            return sort(schema)
+        rest, dropped = salvaged
+        unsure = {rule for name in dropped for rule in _NEEDS_ALL[name]}
+        return sort(schema + [d for d in structural(rest) if d.rule not in unsure])
     except MappingError as e:  # unreadable: not UTF-8, a folder, gone
         return [Diagnostic.from_error(e) if e.position else Diagnostic(path, 1, 1, "yaml-syntax", e.message)]
     return sort(structural(loaded))

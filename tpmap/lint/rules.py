@@ -517,8 +517,7 @@ def when_attributes(loaded: MappingFile, default, valid_keys: set[str]) -> list[
 def release_never(loaded: MappingFile) -> list[Diagnostic]:
     """An entry (or grad_allreduce item) whose `transformers` range admits none of the releases tpmap proves
     (compat.PROVEN) is never applied nor proven: widen the range or remove it."""
-    items = [(("entries", i), f"entry {i} ({e.kind} {e.module!r})", e.transformers)
-             for i, e in enumerate(loaded.mapping.entries)]
+    items = [(("entries", i), loaded.label(i), e.transformers) for i, e in enumerate(loaded.mapping.entries)]
     items += [(("grad_allreduce", i), f"grad_allreduce item {i} ({g.module!r})", g.transformers)
               for i, g in enumerate(loaded.mapping.grad_allreduce) if not isinstance(g, str)]
     return [Diagnostic.at(loaded.source.value((*key, "transformers")), "transformers-never",
@@ -549,13 +548,13 @@ def when_never(loaded: MappingFile, configs: list) -> list[Diagnostic]:
                 else:
                     values = "; ".join(f"{label}: {v!r}" for label, v in seen.items())
                     why = f"{key} is never {want!r} ({values}); add a verify config with {key}: {want!r}"
-                msg = (f"entry {i} ({entry.kind} {entry.module!r}) applies to no config lint checks, so it is "
+                msg = (f"{loaded.label(i)} applies to no config lint checks, so it is "
                        f"never checked nor proven: {why}")
                 out.append(Diagnostic.at(loaded.source.key(("entries", i, "when", key)), "when-never", msg))
                 break
         else:
             out.append(Diagnostic.at(loaded.source.key(("entries", i, "when")), "when-never",
-                                     f"entry {i} ({entry.kind} {entry.module!r}): no config lint checks matches "
+                                     f"{loaded.label(i)}: no config lint checks matches "
                                      f"all of {entry.when}; add a verify config of that variant"))
     return out
 
@@ -583,7 +582,7 @@ def layer_never(loaded: MappingFile, configs: list) -> list[Diagnostic]:
         else:
             values = "; ".join(f"{label}: {lists}" for label, lists in seen.items()) or "no config matches its when"
             out.append(Diagnostic.at(loaded.source.key(("entries", i, "when_layer")), "when-never",
-                                     f"entry {i} ({entry.kind} {entry.module!r}) selects no layer of any config lint "
+                                     f"{loaded.label(i)} selects no layer of any config lint "
                                      f"checks, so it is never checked nor proven: no layer has {entry.when_layer} "
                                      f"({values}); add a verify config with such a layer"))
     return out
