@@ -10,8 +10,9 @@ import transformers
 from tpmap import cli, demo
 
 
-def test_the_demo_generates_the_unsharded_tokens_on_two_cpu_workers(capsys):
-    assert cli.main(["demo", "--new-tokens", "12"]) == 0
+def test_the_demo_generates_the_unsharded_tokens_on_two_cpu_workers(capsys, tmp_path):
+    assert cli.main(["demo", "--new-tokens", "12", "--save", str(tmp_path / "tiny-llama")]) == 0
+    assert (tmp_path / "tiny-llama" / "config.json").is_file()  # --save keeps the checkpoint the README's snippets load
     out = capsys.readouterr().out
     sharded = next(line for line in out.splitlines() if line.startswith("sharded over 2"))
     unsharded = next(line for line in out.splitlines() if line.startswith("unsharded"))
@@ -32,3 +33,8 @@ def test_the_demo_fails_when_the_tokens_differ(monkeypatch):
     out = io.StringIO()
     assert demo.run(new_tokens=8, out=out) == 1
     assert "equal: NO" in out.getvalue()
+
+
+def test_save_and_model_together_are_a_usage_error(capsys, tmp_path):
+    assert cli.main(["demo", "--model", str(tmp_path), "--save", str(tmp_path / "x")]) == 2
+    assert "cannot be combined with --model" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The `tpmap` command line: thin wrappers over the library.
 
-    tpmap demo [--model DIR] [-n N] [--prompt TEXT]               the main job: sharded vs unsharded tokens, on CPU
+    tpmap demo [--model DIR | --save DIR] [-n N] [--prompt TEXT]  the main job: sharded vs unsharded tokens, on CPU
     tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
     tpmap plan MODEL_TYPE|FILE.yaml -n N [--rank R] [--default-config]  print the plan as a table
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
@@ -152,7 +152,11 @@ def _draft(args) -> int:
 def _demo(args) -> int:
     from tpmap import demo
 
-    return demo.run(args.model, args.world_size, args.prompt or demo.PROMPT, args.new_tokens)
+    if args.model and args.save:
+        print("tpmap demo: --save keeps the embedded tiny checkpoint; it cannot be combined with --model",
+              file=sys.stderr)
+        return 2
+    return demo.run(args.model, args.world_size, args.prompt or demo.PROMPT, args.new_tokens, save=args.save)
 
 
 def _export_checkpoint(args) -> int:
@@ -190,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--world-size", type=int, default=2, help="CPU workers (default 2)")
     p.add_argument("--prompt", default=None, help="the prompt (default: a fixed sentence)")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens to generate (default 24)")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="keep the tiny checkpoint in DIR (the README's snippets load it from tiny-llama)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks",

@@ -8,6 +8,7 @@ the unsharded model generates from the same folder in this process, and the two 
 
     tpmap demo                                   # about a minute on 2 cores
     tpmap demo --model DIR -n 2 --prompt "Hello"
+    tpmap demo --save tiny-llama                 # keeps the tiny checkpoint (the README's snippets load it)
 
 Exit status 0 when the tokens are equal, 1 when they differ.
 """
@@ -61,17 +62,19 @@ def prompt_ids(folder: str, text: str):
     return torch.tensor([[b % vocab for b in text.encode()]]), None
 
 
-def run(model: str | None = None, world_size: int = 2, prompt: str = PROMPT, new_tokens: int = 24, out=None) -> int:
+def run(model: str | None = None, world_size: int = 2, prompt: str = PROMPT, new_tokens: int = 24, out=None,
+        save: str | None = None) -> int:
     """Generate sharded and unsharded, print both (to `out`, default stdout), and return 0 when the tokens are
-    equal (1 otherwise)."""
+    equal (1 otherwise). `save`: keep the tiny checkpoint in this folder (the README's snippets load it)."""
     out = out or sys.stdout
     start = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # the saving and loading bars of a tiny model are noise here
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model or tmp
+        folder = model or save or tmp
         if model is None:
-            tiny_checkpoint(tmp)
-            print(f"a tiny Llama (mappings/llama.yaml's first verify config, fixed weights) saved to {tmp}", file=out)
+            tiny_checkpoint(folder)
+            print(f"a tiny Llama (mappings/llama.yaml's first verify config, fixed weights) saved to {folder}",
+                  file=out)
         ids, tokenizer = prompt_ids(folder, prompt)
         settings = dict(max_new_tokens=new_tokens, do_sample=False)
         with parallelize(folder, world_size, device="cpu") as sharded:
