@@ -148,3 +148,22 @@ def test_the_command_prints_no_third_party_noise_and_the_library_keeps_it():
                    "from tpmap.parallelize.quiet import ENV\n"
                    "print(os.environ.get(ENV), os.environ.get('TRANSFORMERS_VERBOSITY'))")
     assert library.stdout == "None None\n"
+
+
+def test_verify_runs_cases_at_once_with_jobs(capsys):
+    """-j 2: two workers, each on its own ranks; every case runs once, passes, and comes back as its own result."""
+    from tpmap import verify
+    case_list = verify.cases(["gpt2"], [1, 2])
+    assert len(case_list) == 2  # mha12 at 1 and 2: two workers, a pool each
+    import threading
+    rows, workers = [], set()
+
+    def log(row):
+        rows.append(row)
+        workers.add(threading.current_thread().name)
+    results = verify.run(case_list, log=log, jobs=2)
+    assert len(workers) == 2  # each worker took a case (a case's ranks start in seconds: the other takes the next)
+    assert [r.case for r in results] == case_list and all(r.passed for r in results)
+    assert sorted((row.split()[1], row.split()[3]) for row in rows) == sorted(
+        (c.config_name, str(c.world_size)) for c in case_list)
+    assert cli.main(["verify", "gpt2", "-j", "0"]) == 2

@@ -52,8 +52,11 @@ def _verify(args) -> int:
         print("tpmap verify: no case matches those world sizes and that filter", file=sys.stderr)
         return 2
     print(verify.header(case_list), flush=True)
+    if args.jobs < 1:
+        print("tpmap verify: --jobs must be at least 1", file=sys.stderr)
+        return 2
     results = verify.run(case_list, timeout=args.timeout, log=lambda line: print(line, flush=True),
-                         verbose=args.verbose)
+                         verbose=args.verbose, jobs=args.jobs)
     failed = [r for r in results if not r.passed]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
@@ -209,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("-k", "--filter", default=None, metavar="TEXT",
                    help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")
+    p.add_argument("-j", "--jobs", type=int, default=1,
+                   help="cases run at once, each on its own ranks (default 1; up to the cores / world size pays)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
     p.add_argument("--verbose", "-v", action="store_true", help="every failing rank's whole traceback")
     p.set_defaults(func=_verify)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 
@@ -455,34 +456,58 @@ def judge(case: Case, per_rank: list[dict]) -> Result:
                   collectives=per_rank[0].get("collectives"))
 
 
-def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False) -> list[Result]:
-    """Run the cases, one RankPool per world size; world size 1 runs in this process. A failing case
-    reports one line per rank (its exception); `verbose` gives every rank's whole traceback. Each row ends with the
-    progress: cases done of the total, the time so far and an estimate of the time left."""
-    results = []
+def run(case_list: list[Case], timeout: float = 300.0, log=print, verbose: bool = False, jobs: int = 1) -> list[Result]:
+    """Run the cases, in order of world size: each of `jobs` workers (threads) takes the next case and runs it on
+    its own RankPool of that world size (world size 1 in this process, or in a pool too when `jobs` > 1). A failing
+    case reports one line per rank (its exception); `verbose` gives every rank's whole traceback. Each row ends with
+    the progress: cases done of the total, the time so far and an estimate of the time left. The results come back
+    in `case_list`'s order."""
+    todo = sorted(range(len(case_list)), key=lambda i: case_list[i].world_size)
+    results: dict[int, Result] = {}
+    lock = threading.Lock()
     widths = Widths.of(case_list)
     start = time.monotonic()
-    for tp_size in sorted({c.world_size for c in case_list}):
-        todo = [c for c in case_list if c.world_size == tp_size]
-        pool = RankPool(tp_size) if tp_size > 1 else None
+
+    def worker() -> None:
+        pool = None
         try:
-            for case in todo:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop(0)
+                case = case_list[i]
+                if pool is not None and pool.world_size != case.world_size:
+                    pool.close()  # cases come in order of world size: this worker's smaller pool is done
+                    pool = None
+                if pool is None and (case.world_size > 1 or jobs > 1):  # in parallel, world size 1 in a process too
+                    pool = RankPool(case.world_size)
                 t0 = time.monotonic()
-                args = (case.ref, case.verify_index, case.class_name)
-                try:
-                    per_rank = pool.run(forward_case, *args, timeout=timeout) if pool else [forward_case(*args)]
-                    res = judge(case, per_rank)
-                except RankFailure as e:
-                    res = Result(case=case, passed=False, error=str(e) if verbose else e.summary())
-                except Exception as e:  # world size 1 runs here: report it like a rank failure
-                    res = Result(case=case, passed=False, error=f"{type(e).__name__}: {e}")
-                results.append(res)
-                now = time.monotonic()
-                log(_row(res, now - t0, widths, progress(len(results), len(case_list), now - start)))
+                res = _run_case(case, pool, timeout, verbose)
+                with lock:
+                    results[i] = res
+                    now = time.monotonic()
+                    log(_row(res, now - t0, widths, progress(len(results), len(case_list), now - start)))
         finally:
-            if pool:
+            if pool is not None:
                 pool.close()
-    return results
+    threads = [threading.Thread(target=worker, name=f"tpmap-verify-{j}") for j in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [results[i] for i in range(len(case_list))]
+
+
+def _run_case(case: Case, pool: RankPool | None, timeout: float, verbose: bool) -> Result:
+    args = (case.ref, case.verify_index, case.class_name)
+    try:
+        per_rank = pool.run(forward_case, *args, timeout=timeout) if pool else [forward_case(*args)]
+        return judge(case, per_rank)
+    except RankFailure as e:
+        return Result(case=case, passed=False, error=str(e) if verbose else e.summary())
+    except Exception as e:  # world size 1 runs here: report it like a rank failure
+        return Result(case=case, passed=False, error=f"{type(e).__name__}: {e}")
 
 
 def progress(done: int, total: int, elapsed: float) -> str:
