@@ -167,3 +167,32 @@ def test_verify_runs_cases_at_once_with_jobs(capsys):
     assert sorted((row.split()[1], row.split()[3]) for row in rows) == sorted(
         (c.config_name, str(c.world_size)) for c in case_list)
     assert cli.main(["verify", "gpt2", "-j", "0"]) == 2
+
+
+def test_plan_of_a_users_checkpoint_folder_and_config_json(tmp_path, capsys):
+    """tpmap plan DIR / config.json: the mapping, each rank's weights and KV cache, the world sizes that work for
+    *this* config, the collectives. A 9-query / 3-KV-head Llama at 2 ranks: query heads 5 and 4; rank 0's read KV
+    heads [0,0,0,1,1] (5 held, repeat_kv by 1), rank 1's [1,2,2,2] (4): worked out by hand, not by the code."""
+    import json
+
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=300, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "-n", "2", "--seq-len", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "mapping " in out and "llama.yaml" in out and "(LlamaForCausalLM)" in out
+    assert "world sizes that work for this config (of 1-16): 1, 2, 3, 4, 5, 6, 7, 8, 9\n" in out
+    kv = [2 * 3 * n * 8 * 100 * 4 for n in (5, 4)]  # 2 (k, v) x layers x held KV heads x head_dim x tokens x fp32
+    for r, (heads, cache) in enumerate(zip((5, 4), kv)):
+        assert f"rank {r}: weights " in out
+        assert f"{heads} query heads, KV cache at 100 tokens {cache / 2**20:.1f} MiB" in out
+    assert ("# collectives per forward: 7 all-reduce(s) (6 Row outputs, 1 vocab-parallel embedding), "
+            "1 all-gather(s)") in out
+    json_file = tmp_path / "other.json"
+    json_file.write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()), "num_attention_heads": 12,
+                                     "num_key_value_heads": 4, "hidden_size": 96}))
+    assert cli.main(["plan", str(json_file), "-n", "4"]) == 0
+    assert "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12\n" in capsys.readouterr().out
+    assert cli.main(["plan", str(tmp_path), "-n", "10"]) == 1
+    assert "(world sizes that work for this config: 1, 2, 3, 4, 5, 6, 7, 8, 9)" in capsys.readouterr().err

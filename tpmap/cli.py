@@ -2,7 +2,7 @@
 
     tpmap demo [--model DIR | --save DIR] [-n N] [--prompt TEXT]  the main job: sharded vs unsharded tokens, on CPU
     tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
-    tpmap plan MODEL_TYPE|FILE.yaml -n N [--rank R] [--default-config]  print the plan as a table
+    tpmap plan MODEL_TYPE|FILE.yaml|DIR -n N [--rank R] [--seq-len L]  print the plan (DIR: your model's)
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
     tpmap schema                                                 print the mapping JSON Schema
     tpmap models [-o MODELS.md]                                  the table of shipped mappings and their proofs
@@ -67,7 +67,12 @@ def _plan(args) -> int:
     import transformers
     from transformers import AutoConfig
 
-    from tpmap import api, verify
+    from tpmap import api, plan_report, verify
+
+    if plan_report.is_user_config(args.model_type):  # a checkpoint folder or a config.json: the user's own model
+        print(plan_report.report(args.model_type, args.n, mapping=args.mapping, model_class=args.model_class,
+                                 dtype=args.dtype, seq_len=args.seq_len))
+        return 0
 
     loaded = verify.resolve(args.model_type)  # a model type (shipped mapping) or a YAML path
     model_type = loaded.mapping.model_type
@@ -188,43 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version(), help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the main job: a model sharded over CPU ranks, its tokens against the unsharded",
-                       description="Shard a model over CPU workers (tpmap.parallelize, no torchrun), generate "
-                       "greedily, and compare the tokens with the unsharded model's. Default: a tiny Llama with fixed "
-                       "weights, no download (about a minute on 2 cores). Exit status: 0 equal tokens, 1 they differ.")
-    p.add_argument("--model", metavar="DIR", default=None,
-                   help="a checkpoint folder (default: the embedded tiny Llama)")
-    p.add_argument("-n", "--world-size", type=int, default=2, help="CPU workers (default 2)")
-    p.add_argument("--prompt", default=None, help="the prompt (default: a fixed sentence)")
-    p.add_argument("--new-tokens", type=int, default=24, help="tokens to generate (default 24)")
-    p.add_argument("--save", metavar="DIR", default=None,
-                   help="keep the tiny checkpoint in DIR (the README's snippets load it from tiny-llama)")
-    p.set_defaults(func=_demo)
-
-    p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks",
-                       description="Prove mappings on their embedded tiny configs: the sharded model against the "
-                       "unsharded one on real gloo ranks (forward, parameter share, collectives). Exit status: 0 "
-                       "every case passed, 1 a case failed, 2 usage error, "
-                       f"{NOTHING_VERIFIED} nothing verified (every mapping named needs another transformers release).")
-    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml",
-                   help="shipped model types or mapping files to prove")
-    p.add_argument("--all", action="store_true", help="every shipped mapping")
-    p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
-    p.add_argument("-k", "--filter", default=None, metavar="TEXT",
-                   help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")
-    p.add_argument("-j", "--jobs", type=int, default=1,
-                   help="cases run at once, each on its own ranks (default 1; up to the cores / world size pays)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
-    p.add_argument("--verbose", "-v", action="store_true", help="every failing rank's whole traceback")
-    p.set_defaults(func=_verify)
-
-    p = sub.add_parser("plan", help="print which rank holds which slice, without running anything")
-    p.add_argument("model_type", metavar="MODEL_TYPE|FILE.yaml", help="a shipped model type or a mapping file")
-    p.add_argument("-n", "--world-size", dest="n", type=int, required=True, help="the world size to plan for")
-    p.add_argument("--rank", type=int, default=None, help="only this rank's pieces")
-    p.add_argument("--default-config", action="store_true", help="the model type's default config, not the tiny one")
-    p.add_argument("--model-class", default=None, help="transformers class (default: the first in the mapping)")
-    p.set_defaults(func=_plan)
+    _add_demo_verify_plan(sub)
 
     p = sub.add_parser("lint", help="check mapping files against the schema and the real model structure",
                        description="Check mapping files statically: schema, then the mapping against each model "
@@ -261,6 +230,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="50GB", help="split files above this size, as save_pretrained")
     p.set_defaults(func=_export_checkpoint)
     return parser
+
+
+def _add_demo_verify_plan(sub) -> None:
+    """The parsers of the commands a new user meets first."""
+    p = sub.add_parser("demo", help="the main job: a model sharded over CPU ranks, its tokens against the unsharded",
+                       description="Shard a model over CPU workers (tpmap.parallelize, no torchrun), generate "
+                       "greedily, and compare the tokens with the unsharded model's. Default: a tiny Llama with fixed "
+                       "weights, no download (about a minute on 2 cores). Exit status: 0 equal tokens, 1 they differ.")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="a checkpoint folder (default: the embedded tiny Llama)")
+    p.add_argument("-n", "--world-size", type=int, default=2, help="CPU workers (default 2)")
+    p.add_argument("--prompt", default=None, help="the prompt (default: a fixed sentence)")
+    p.add_argument("--new-tokens", type=int, default=24, help="tokens to generate (default 24)")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="keep the tiny checkpoint in DIR (the README's snippets load it from tiny-llama)")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("verify", help="compare sharded and unsharded models on real gloo ranks",
+                       description="Prove mappings on their embedded tiny configs: the sharded model against the "
+                       "unsharded one on real gloo ranks (forward, parameter share, collectives). Exit status: 0 "
+                       "every case passed, 1 a case failed, 2 usage error, "
+                       f"{NOTHING_VERIFIED} nothing verified (every mapping named needs another transformers release).")
+    p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml",
+                   help="shipped model types or mapping files to prove")
+    p.add_argument("--all", action="store_true", help="every shipped mapping")
+    p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
+    p.add_argument("-k", "--filter", default=None, metavar="TEXT",
+                   help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")
+    p.add_argument("-j", "--jobs", type=int, default=1,
+                   help="cases run at once, each on its own ranks (default 1; up to the cores / world size pays)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case before a rank counts as hung")
+    p.add_argument("--verbose", "-v", action="store_true", help="every failing rank's whole traceback")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("plan", help="print which rank holds which slice, without running anything",
+                       description="MODEL_TYPE or FILE.yaml: the plan of the mapping's tiny config as a table. "
+                       "DIR or config.json: your model's plan on the meta device (no weights read): the mapping, "
+                       "each rank's weights and KV cache in bytes, the world sizes that work, the collectives.")
+    p.add_argument("model_type", metavar="MODEL_TYPE|FILE.yaml|DIR|config.json",
+                   help="a shipped model type, a mapping file, a checkpoint folder or a config.json")
+    p.add_argument("-n", "--world-size", dest="n", type=int, required=True, help="the world size to plan for")
+    p.add_argument("--rank", type=int, default=None, help="only this rank's pieces")
+    p.add_argument("--default-config", action="store_true", help="the model type's default config, not the tiny one")
+    p.add_argument("--model-class", default=None,
+                   help="transformers class (default: the config's architectures, else the first in the mapping)")
+    p.add_argument("--mapping", default=None, metavar="FILE.yaml",
+                   help="with DIR or config.json: this mapping file (default: the shipped one for its model_type)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="with DIR or config.json: bytes per element (default: the config's dtype, else float32)")
+    p.add_argument("--seq-len", type=int, default=4096,
+                   help="with DIR or config.json: tokens of the KV cache estimate, batch 1 (default 4096)")
+    p.set_defaults(func=_plan)
 
 
 def main(argv=None) -> int:
