@@ -95,6 +95,10 @@ def _planned(digest: str) -> bool:
 # num_key_value_groups Update per stack: at 2 and 4 (gqa-kv4) and 3 and 6 (gqa-kv6) the same pieces plus an Update to
 # the unchanged value; where main's plan cut a head in half (gqa-kv4 at 8, gqa-kv6 at 2, 4 and 8: the decoder's 3 KV
 # heads of 16) it failed in the forward's view, and now holds whole heads or refuses more ranks than query heads.
+# The eight nemotron_h and nemo_speechlm entries at 2, 3 and 4 (hybrid4, hybrid3, no-mlp; hybrid-chunks,
+# hybrid3-chunks): the same pieces plus a num_key_value_groups Update of NemotronHAttention to its unchanged value
+# (q / kv): repeat_kv reads it, and at an uneven size each rank needs its own (hybrid4 at 3: 1/2/1). Without that
+# Update the plans equal main's (checked by removing it).
 
 
 def _same_as_main(cases) -> None:
