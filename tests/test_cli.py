@@ -2,6 +2,7 @@
 model type's message, a verify that verified nothing, and the hints in two messages a new user meets first."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,43 @@ def test_plan_of_a_users_checkpoint_folder_and_config_json(tmp_path, capsys):
     assert "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12\n" in capsys.readouterr().out
     assert cli.main(["plan", str(tmp_path), "-n", "10"]) == 1
     assert "(world sizes that work for this config: 1, 2, 3, 4, 5, 6, 7, 8, 9)" in capsys.readouterr().err
+
+
+def test_verify_model_proves_a_checkpoint_on_its_real_weights(tmp_path, capsys, monkeypatch):
+    """tpmap verify --model DIR -n 3: logits and greedy tokens of the tiny Llama checkpoint (12 query / 2 KV heads:
+    the KV heads shared unevenly at 3) against the unsharded model, with the memory; and the up-front refusal."""
+    from tpmap import verify_model
+    from tpmap.demo import tiny_checkpoint
+    tiny_checkpoint(str(tmp_path))
+    assert cli.main(["verify", "--model", str(tmp_path), "-n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 CPU workers" in out and ": ok" in out and "tokens: equal" in out and "result: pass" in out
+    assert re.search(r"peak RSS: this process [\d.]+ [MG]iB, workers [\d.]+ [MG]iB, [\d.]+ [MG]iB, [\d.]+ [MG]iB", out)
+    monkeypatch.setattr(verify_model, "available_bytes", lambda: 1000)
+    assert cli.main(["verify", "--model", str(tmp_path)]) == 1
+    assert "comparing needs about" in capsys.readouterr().err and "available" in verify_model.WontFitError.__doc__
+    assert cli.main(["verify", "llama", "--model", str(tmp_path)]) == 2
+
+
+@pytest.mark.full
+def test_verify_model_fails_when_the_sharded_model_differs(tmp_path, monkeypatch):
+    """Planted: the unsharded model loaded with its head negated: logits and tokens differ, result FAIL, exit 1."""
+    import io
+
+    import torch
+    import transformers
+
+    from tpmap import verify_model
+    from tpmap.demo import tiny_checkpoint
+    tiny_checkpoint(str(tmp_path))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def perturbed(*args, **kwargs):
+        model = load(*args, **kwargs)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1)
+        return model
+    monkeypatch.setattr(verify_model.AutoModelForCausalLM, "from_pretrained", perturbed)
+    out = io.StringIO()
+    assert verify_model.run(str(tmp_path), 2, new_tokens=4, out=out) == 1
+    assert ": FAIL" in out.getvalue() and "result: FAIL" in out.getvalue()

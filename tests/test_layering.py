@@ -29,8 +29,8 @@ FLOORS = (
     # training state (checkpoints of model + optimizer + RNG, resharding, Trainer): over checkpoint and peft
     ("training", ("tpmap.training",)),
     ("parallelize", ("tpmap.parallelize",)),
-    ("tools", ("tpmap.verify", "tpmap.demo", "tpmap.plan_report", "tpmap.lint", "tpmap.draft", "tpmap.catalog",
-               "tpmap.meta",
+    ("tools", ("tpmap.verify", "tpmap.verify_model", "tpmap.demo", "tpmap.plan_report", "tpmap.lint", "tpmap.draft",
+               "tpmap.catalog", "tpmap.meta",
                "tpmap.tool_errors")),
     ("cli", ("tpmap.cli", "tpmap.__main__")),
 )

@@ -1,7 +1,7 @@
 """The `tpmap` command line: thin wrappers over the library.
 
     tpmap demo [--model DIR | --save DIR] [-n N] [--prompt TEXT]  the main job: sharded vs unsharded tokens, on CPU
-    tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks
+    tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks (--model DIR: yours)
     tpmap plan MODEL_TYPE|FILE.yaml|DIR -n N [--rank R] [--seq-len L]  print the plan (DIR: your model's)
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
     tpmap schema                                                 print the mapping JSON Schema
@@ -22,6 +22,12 @@ def _verify(args) -> int:
     from tpmap import verify
     from tpmap.language import source
 
+    if args.model:  # the user's own checkpoint, real weights
+        from tpmap import verify_model
+        if args.all or args.model_types:
+            print("tpmap verify: --model DIR proves one checkpoint; name no model types and no --all", file=sys.stderr)
+            return 2
+        return max(verify_model.run(args.model, n) for n in (args.world_size or [2]))
     shipped = list(source.shipped_files())
     refs = shipped if args.all else args.model_types
     if not refs:
@@ -255,6 +261,9 @@ def _add_demo_verify_plan(sub) -> None:
     p.add_argument("model_types", nargs="*", metavar="MODEL_TYPE|FILE.yaml",
                    help="shipped model types or mapping files to prove")
     p.add_argument("--all", action="store_true", help="every shipped mapping")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="your checkpoint folder instead: sharded vs unsharded logits and greedy tokens on its real "
+                   "weights, on CPU workers (-n N, default 2), with the peak memory")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("-k", "--filter", default=None, metavar="TEXT",
                    help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")

@@ -1,4 +1,4 @@
-"""The errors of the tools floor: `tpmap draft` and `tpmap verify`."""
+"""The errors of the tools floor: `tpmap draft` and `tpmap verify` (`--model` too)."""
 from __future__ import annotations
 
 from tpmap.language.errors import TpmapError
@@ -6,6 +6,7 @@ from tpmap.language.errors import TpmapError
 __all__ = [
     "DraftError",
     "MissingInputError",
+    "WontFitError",
 ]
 
 
@@ -17,3 +18,8 @@ class DraftError(TpmapError):
 class MissingInputError(TpmapError):
     """An example input for `tpmap verify` cannot be made: the model's main input is not declared in the
     verify config's ``inputs``, or a declared shape names something the config does not have."""
+
+
+class WontFitError(TpmapError):
+    """`tpmap verify --model`: the machine's available memory cannot hold the checkpoint for the comparison; the
+    message gives the estimate and what is available."""
