@@ -437,3 +437,18 @@ def test_at_layer_takes_one_attribute_name_and_needs_a_module():
         expr.evaluate("at_layer(h)", lookup)
     with pytest.raises(expr.ExpressionError, match=r"h's entry for this layer is 'full', not an integer"):
         expr.evaluate("at_layer(h)", lookup, at_layer=lambda n: "full")
+
+
+def test_zaya_splits_by_whole_query_groups_and_never_copies_a_kv_head():
+    """ZAYA's key residual averages q + k over all G query heads of each KV head, so every split is in units of KV
+    heads (KV/2 per half of the value), query heads G at a time: kv8 (16 heads, 8 KV, G 2, d 8) at 3 deals each
+    half's 4 KV heads 2/1/1 with their query heads; more ranks than KV/2 (a KV head on two ranks) is refused."""
+    model = meta_model("zaya", 2)  # kv8
+    plan = tpmap.plan(model, 3)
+    q = plan.params["model.layers.0.self_attn.qkv_proj.q_proj.weight"].pieces
+    assert q == (((0, 32), (64, 32)), ((32, 16), (96, 16)), ((48, 16), (112, 16))), q
+    updates = {u.attribute: u.values for u in plan.updates if u.module == "model.layers.0.self_attn"}
+    assert updates == {"num_key_value_groups": (2, 2, 2), "num_attention_heads": (8, 4, 4),
+                       "num_key_value_heads": (4, 2, 2)}, updates
+    with pytest.raises(tpmap.DivisibilityError, match=r"o_proj: 2 heads cannot be split over world size 4"):
+        tpmap.plan(meta_model("zaya", 0), 4)  # kv4: 2 KV heads per half
