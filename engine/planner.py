@@ -112,6 +112,7 @@ class EntryContext:
         """`config` is the model's; a composed entry reads its sub-model's sub-config."""
         self.loaded, self.index, self.tp_size = loaded, index, tp_size
         self.config = loaded.config_of("entries", index, config)
+        self.stack_config = self.config  # the config whose per-layer lists at_layer(...) reads (not a layer's view)
         self.entry = loaded.mapping.entries[index]
 
     def pos(self, *key):
@@ -147,11 +148,12 @@ class EntryContext:
 
     uneven = False  # the plan splits something unevenly: per_rank follows the uneven rule (check_per_rank)
     features = None  # {plain feature count: what each rank holds of it} (Planner.features), for per_rank(n)
+    module: str | None = None  # the module planned (set by `at_layer`): at_layer(...) reads its layer's entry
 
     def eval(self, text, *key, tp_rank: int = 0) -> int:
         try:
             return expr.evaluate(text, self.lookup, self.tp_size, tp_rank, self.uneven,
-                                 self.features if self.uneven else None)
+                                 self.features if self.uneven else None, self.layer_entry)
         except TpmapError as e:
             raise self.error(type(e), str(e), *key, rule=_EVAL_RULES.get(type(e), "config-attribute")) from None
 
@@ -159,18 +161,38 @@ class EntryContext:
         return cls(f"{self.loaded.label(self.index)}: {message}", self.pos(*key), rule)
 
     def at_layer(self, name: str, views: dict) -> EntryContext:
-        """This entry's context for the module `name`: in a heterogeneous config (transformers' per_layer_config:
-        Step 3.5's sliding layers have their own head count), its expressions read the module's layer's config,
-        `config.per_layer_config[i]` (cached in `views`); elsewhere this context itself."""
+        """This entry's context for the module `name` (whose layer at_layer(...) reads): in a heterogeneous config
+        (transformers' per_layer_config: Step 3.5's sliding layers have their own head count), its expressions
+        read the module's layer's config, `config.per_layer_config[i]` (cached in `views`); elsewhere the
+        entry's config."""
         i = layer_index(name)
-        if i is None or not getattr(self.config, "is_heterogeneous", False):
-            return self
-        if i >= len(self.config.per_layer_config):  # a module past the stack (a multi-token-prediction layer)
-            return self
-        key = (id(self.config), i)
-        if key not in views:
-            views[key] = self.config.per_layer_config[i]
-        return self._in_config(views[key])
+        layer = self._in_config(self.config)
+        # not past the stack (a multi-token-prediction layer reads the config itself)
+        if i is not None and getattr(self.config, "is_heterogeneous", False) and i < len(self.config.per_layer_config):
+            key = (id(self.config), i)
+            if key not in views:
+                views[key] = self.config.per_layer_config[i]
+            layer.config = views[key]
+        layer.module = name
+        return layer
+
+    def layer_entry(self, name: str):
+        """at_layer(name): the entry of the config's per-layer list `name` at this module's layer (`layer_index`,
+        as `when_layer` reads it). Raises ConfigAttributeError where there is no such entry."""
+        i = None if self.module is None else layer_index(self.module)
+        if i is None:
+            where = (f"{self.module} is in no stack of layers (no integer component in its name)" if self.module
+                     else "this expression is read for no module")
+            raise ConfigAttributeError(f"at_layer({name}) reads the entry of the module's layer, but {where}; "
+                                       "use it on modules inside the stack (layers.*...)")
+        values = self._in_config(self.stack_config).lookup(name)
+        if not isinstance(values, (list, tuple)):
+            raise ConfigAttributeError(f"at_layer({name}): the config's {name} is {values!r}, not a list with one "
+                                       "entry per layer")
+        if i >= len(values):
+            raise ConfigAttributeError(f"at_layer({name}): {self.module} is layer {i}, but the config's {name} "
+                                       f"lists {len(values)} layers")
+        return values[i]
 
     def layer_contexts(self) -> list[EntryContext]:
         """This entry's context in each layer's own config of a heterogeneous config; none elsewhere."""
@@ -237,6 +259,8 @@ class Planner:
         self.layouts: list[tuple[list, bool]] = []  # (sections, replicate) of every layout, for even_world_sizes
         # plain feature count -> what each rank holds of it, for per_rank(n) in Updates (None: laid out two ways)
         self.features: dict[int, tuple[int, ...] | None] = {}
+        self.config_values: dict = {}  # (id(config object), attribute) -> the first Update setting it (shard copies
+        # each config object once per rank, so the modules sharing it share its per-rank values)
 
     # -- driving ---------------------------------------------------------------------------------
     def fail(self, error: TpmapError) -> None:
@@ -442,7 +466,10 @@ class Planner:
             try:
                 if self.uneven:
                     check_per_rank(value_expr, ctx, path, self.uneven, self.head_sections, self.layouts)
-                self.updates.append(attribute_update(module, full, path, value_expr, ctx, self.seen_attr))
+                update = attribute_update(module, full, path, value_expr, ctx, self.seen_attr)
+                if update.via_config:
+                    check_shared_config(resolve_attr(module, path)[0], update, ctx, self.config_values)
+                self.updates.append(update)
             except TpmapError as e:
                 self.fail(e)
 
@@ -673,6 +700,19 @@ def attribute_update(module: nn.Module, full: str, path: str, value_expr, ctx: E
     via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
     return AttributeUpdate(module=full, attribute=path, full_value=current, values=values, via_config=via_config,
                            entry=ctx.index)
+
+
+def check_shared_config(owner, update: AttributeUpdate, ctx: EntryContext, seen: dict) -> None:
+    """An Update through `config.` sets an attribute of a config object that several modules may share (every
+    layer's attention holds the model's config): each rank gets one copy of that object, so all of them must be
+    given the same values; per-layer values (at_layer(...)) belong on a module attribute."""
+    attribute = update.attribute.rsplit(".", 1)[-1]
+    first = seen.setdefault((id(owner), attribute), update)
+    if first.values != update.values:
+        raise ctx.error(PatternMatchError, f"{update.module}.{update.attribute} is {list(update.values)} per rank, "
+                        f"but {first.module} shares that config object and sets it to {list(first.values)}: one "
+                        "config object holds one value per rank; set a module attribute instead where the value "
+                        "differs per layer", "attributes", update.attribute, rule="double-match")
 
 
 def input_slice(entry: Input, ctx: EntryContext, module: nn.Module, full: str) -> InputSlice:

@@ -242,8 +242,8 @@ def splits(full: torch.nn.Module, loaded, plan, ws: int) -> dict[str, Split]:
     views: dict = {}
 
     def evaluator(index: int, name: str):  # in a heterogeneous config, the expressions read the module's layer's
-        lookup = EntryContext(full.config, loaded, index, ws).at_layer(name, views).lookup
-        return lambda text: evaluate_expr(text, lookup, ws, 0)
+        ctx = EntryContext(full.config, loaded, index, ws).at_layer(name, views)  # config, and at_layer(...)'s layer
+        return lambda text: evaluate_expr(text, ctx.lookup, ws, 0, at_layer=ctx.layer_entry)
 
     out: dict[str, Split] = {}
     for ms in plan.modules:

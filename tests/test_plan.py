@@ -360,3 +360,95 @@ def test_has_dropout_reads_modules_their_configs_and_a_probability_stored_as_con
     assert has_dropout(holding(resid_pdrop=0.1)) and has_dropout(nn.Dropout(0.1)) and not has_dropout(nn.Dropout(0.0))
     assert has_dropout(holding(config=0.1)) and not has_dropout(holding(config=0.0))
     assert not has_dropout(holding(config="name"))  # neither a config object nor a probability
+
+
+def test_at_layer_reads_the_per_layer_list_at_each_modules_layer():
+    """Laguna's query-head count varies by layer (num_attention_heads_per_layer [12, 8], 4 KV heads): at_layer(...)
+    gives each module its own layer's entry, so at world size 3 layer 0 splits 12 heads 4/4/4 and layer 1 splits
+    8 heads 3/3/2, each layer's k/v follow its own query heads, and num_key_value_groups is per layer and rank."""
+    model = meta_model("laguna")  # verify config kv4: head_dim 8
+    plan = tpmap.plan(model, 3)
+    q = [plan.params[f"model.layers.{i}.self_attn.q_proj.weight"].pieces for i in (0, 1)]
+    assert q[0] == (((0, 32),), ((32, 32),), ((64, 32),)), q[0]  # 12 heads of 8: 4 per rank
+    assert q[1] == (((0, 24),), ((24, 24),), ((48, 16),)), q[1]  # 8 heads: 3, 3, 2
+    gate = plan.params["model.layers.1.self_attn.g_proj.weight"].pieces  # per-head gate [8]
+    assert gate == (((0, 3),), ((3, 3),), ((6, 2),)), gate
+    groups = {u.module: u.values for u in plan.updates if u.attribute == "num_key_value_groups"}
+    # layer 0: rank 1's q heads 4..7 read KV [1, 1, 2, 2] (g 2); layer 1: rank 2's 6, 7 read KV [3, 3] (g 2)
+    assert groups == {"model.layers.0.self_attn": (1, 2, 1), "model.layers.1.self_attn": (1, 1, 2)}, groups
+    k = plan.params["model.layers.1.self_attn.k_proj.weight"].pieces[2]
+    assert k == ((24, 8),), k  # layer 1, rank 2: KV head 3 once (its q heads 6, 7 are one group)
+
+
+def test_at_layer_is_an_error_where_there_is_no_layers_entry(tmp_path):
+    """at_layer(...) of a scalar, of a list shorter than the stack, for a module outside the stack, and in a verify
+    input (no module at all): each a located error."""
+    from tpmap.language import source
+    from tpmap.language.errors import ConfigAttributeError, MappingErrors, PatternMatchError
+
+    text = (ROOT_MAPPINGS / "laguna.yaml").read_text()
+    q_heads = ("    heads: at_layer(num_attention_heads_per_layer)\n  - kind: Column\n"
+               "    module: layers.*.self_attn.k_proj")
+    assert q_heads in text
+    model = meta_model("laguna")
+    scalar = text.replace(q_heads, q_heads.replace("_per_layer", ""))
+    with pytest.raises(ConfigAttributeError, match=r"laguna.yaml:\d+:\d+: .*q_proj.*at_layer\(num_attention_"
+                                                   r"heads\): the config's num_attention_heads is 12, not a list"):
+        tpmap.plan(model, 2, mapping=source.load_text(scalar, "laguna.yaml"))
+    short = meta_model("laguna")
+    short.config.num_attention_heads_per_layer = [12]  # one entry for two layers
+    with pytest.raises(ConfigAttributeError, match=r"at_layer\(num_attention_heads_per_layer\): layers.1.self_attn"
+                                                   r".q_proj is layer 1, but the config's "
+                                                   r"num_attention_heads_per_layer lists 1 layers"):
+        tpmap.plan(short, 2, mapping=source.load_text(text, "laguna.yaml"))
+    outside = text.replace("entries:\n", "entries:\n  - kind: Update\n    module: norm\n    attributes:\n"
+                           "      variance_epsilon: at_layer(num_attention_heads_per_layer)\n", 1)
+    with pytest.raises(ConfigAttributeError, match=r"laguna.yaml:\d+:\d+: .*at_layer\(num_attention_heads_per_"
+                                                   r"layer\) reads the entry of the module's layer, but norm is in no "
+                                                   r"stack"):
+        tpmap.plan(model, 2, mapping=source.load_text(outside, "laguna.yaml"))
+    inputs = text.replace("    models: [LagunaForCausalLM]\n", "    models: [LagunaForCausalLM]\n"
+                          "    inputs: {input_ids: {shape: [batch, at_layer(num_attention_heads_per_layer)]}}\n", 1)
+    with pytest.raises(MappingErrors, match=r"laguna.yaml:\d+:\d+: .*a verify input belongs to no module"):
+        source.load_text(inputs, "laguna.yaml")
+    # a config object shared by the layers holds one value per rank: per-layer values are refused there
+    shared = text.replace("      num_heads: per_rank(", "      config.num_key_value_heads: per_rank("
+                          "num_key_value_heads, at_layer(num_attention_heads_per_layer))\n"
+                          "      num_heads: per_rank(", 1)
+    assert shared != text
+    tpmap.plan(model, 2, mapping=source.load_text(shared, "laguna.yaml"))  # even: the same value in every layer
+    with pytest.raises(PatternMatchError, match=r"layers.1.self_attn.config.num_key_value_heads is \[3, 3, 1\] per "
+                                                r"rank, but model.layers.0.self_attn shares that config object"):
+        tpmap.plan(model, 3, mapping=source.load_text(shared, "laguna.yaml"))
+
+
+def test_at_layer_takes_one_attribute_name_and_needs_a_module():
+    from tpmap.language import expr
+
+    text = "per_rank(at_layer(h)) // per_rank(kv, at_layer(h))"
+    assert expr.names(text) == {"h", "kv"} and expr.layer_lists(text) == ["h", "h"]
+    assert expr.per_rank_calls(text) == [("at_layer(h)",), ("kv", "at_layer(h)")]  # at_layer is no per_rank call
+    lookup = {"kv": 4}.__getitem__
+    assert [expr.evaluate(text, lookup, 3, r, uneven=True, at_layer=lambda n: 8) for r in range(3)] == [1, 1, 2]
+    for bad in ("at_layer(1)", "at_layer(h, kv)", "at_layer(tp_size)", "at_layer(h + 1)", "per_rank(kv, at_layer(2))"):
+        with pytest.raises(expr.ExpressionError, match="at_layer takes one config attribute name"):
+            expr.parse(bad)
+    with pytest.raises(expr.ExpressionError, match=r"at_layer\(h\) reads the layer of the module"):
+        expr.evaluate("at_layer(h)", lookup)
+    with pytest.raises(expr.ExpressionError, match=r"h's entry for this layer is 'full', not an integer"):
+        expr.evaluate("at_layer(h)", lookup, at_layer=lambda n: "full")
+
+
+def test_zaya_splits_by_whole_query_groups_and_never_copies_a_kv_head():
+    """ZAYA's key residual averages q + k over all G query heads of each KV head, so every split is in units of KV
+    heads (KV/2 per half of the value), query heads G at a time: kv8 (16 heads, 8 KV, G 2, d 8) at 3 deals each
+    half's 4 KV heads 2/1/1 with their query heads; more ranks than KV/2 (a KV head on two ranks) is refused."""
+    model = meta_model("zaya", 2)  # kv8
+    plan = tpmap.plan(model, 3)
+    q = plan.params["model.layers.0.self_attn.qkv_proj.q_proj.weight"].pieces
+    assert q == (((0, 32), (64, 32)), ((32, 16), (96, 16)), ((48, 16), (112, 16))), q
+    updates = {u.attribute: u.values for u in plan.updates if u.module == "model.layers.0.self_attn"}
+    assert updates == {"num_key_value_groups": (2, 2, 2), "num_attention_heads": (8, 4, 4),
+                       "num_key_value_heads": (4, 2, 2)}, updates
+    with pytest.raises(tpmap.DivisibilityError, match=r"o_proj: 2 heads cannot be split over world size 4"):
+        tpmap.plan(meta_model("zaya", 0), 4)  # kv4: 2 KV heads per half

@@ -43,6 +43,8 @@ REQUIRED = {
     "compose_no_mapping": "compose", "compose_entry_error": "config-attribute",
     # expert parallelism: more ranks than experts; a Route without its Reduce
     "route_expert_count": "expert-count", "route_without_reduce": "route-reduce",
+    # a per-layer list read at a module's layer: at_layer of a scalar
+    "at_layer_not_a_list": "config-attribute",
 }
 
 

@@ -3,6 +3,7 @@
 Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
 
     expr := INT | NAME | NAME.NAME... | expr (+ | - | * | //) expr | ( expr ) | per_rank( expr [, expr] )
+          | at_layer( NAME | NAME.NAME... )
 
 * NAME is a config attribute (``num_key_value_heads``, ``n_embd``; aliases from the config's
   ``attribute_map`` work; a name the config lacks is read from the one sub-config that has it, e.g.
@@ -19,6 +20,11 @@ Grammar (nothing else is accepted; the text is parsed, never `eval`-ed)::
   (``kv`` divides ``q``; query head j uses key/value head ``j // (q / kv)``), counting a head held
   twice (for two runs of query heads) twice; see `rank_heads`.
 
+* ``at_layer(name)``: the entry of the config's per-layer list ``name`` at the layer of the module the
+  expression is evaluated for (its name's first integer component, as for ``when_layer``): Laguna's
+  ``at_layer(num_attention_heads_per_layer)`` is each layer's own query-head count. The caller gives the
+  value (`evaluate`'s ``at_layer``); where there is no module, it is an error.
+
 Example: ``per_rank(num_attention_heads) // per_rank(num_key_value_heads, num_attention_heads)`` is
 the number of query heads per local KV head on this rank (Llama's ``num_key_value_groups``), also
 when KV heads are replicated or the split is uneven. The older ``per_rank(num_key_value_heads)``
@@ -33,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from tpmap.language.errors import DivisibilityError, TpmapError
 
 PER_RANK_NAMES = ("tp_size", "tp_rank")
+FUNCTIONS = ("per_rank", "at_layer")
 MAX_CHARS = 256  # the longest shipped expression has ~60; bounds parsing and checking (no deep recursion)
 MAX_VALUE = 2**63 - 1  # results must fit int64 (module attributes become tensor sizes)
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
@@ -79,19 +86,30 @@ def _check(node: ast.AST, text: str) -> None:
         and len(node.args) in (1, 2)
         and not node.keywords
     ):
-        _check(node.args[0], text)
+        for arg in node.args:
+            _check(arg, text)
+        return
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "at_layer":
+        arg = node.args[0] if len(node.args) == 1 and not node.keywords else None
+        name = arg.id if isinstance(arg, ast.Name) else dotted(arg) if arg is not None else None
+        if name is None or name in PER_RANK_NAMES:
+            raise ExpressionError(f"{ast.get_source_segment(text, node) or 'at_layer'!r} in expression {text!r}: "
+                                  "at_layer takes one config attribute name, a list with one entry per layer "
+                                  "(e.g. at_layer(num_attention_heads_per_layer))")
         return
     if isinstance(node, ast.BinOp) and type(node.op) in _OTHER_OPS:
         op = _OTHER_OPS[type(node.op)]
         hint = "; write // for an exact integer division" if op == "/" else ""
         raise ExpressionError(
             f"operator {op!r} is not allowed in expression {text!r}{hint} "
-            "(allowed: integers, config attribute names, tp_size, tp_rank, + - * //, parentheses, per_rank(...))"
+            "(allowed: integers, config attribute names, tp_size, tp_rank, + - * //, parentheses, per_rank(...), "
+            "at_layer(...))"
         )
     part = ast.get_source_segment(text, node) or type(node).__name__
     raise ExpressionError(
         f"{part!r} is not allowed in expression {text!r}; "
-        "use integers, config attribute names, tp_size, tp_rank, + - * //, parentheses and per_rank(...)"
+        "use integers, config attribute names, tp_size, tp_rank, + - * //, parentheses, per_rank(...) and "
+        "at_layer(...)"
     )
 
 
@@ -105,8 +123,8 @@ def dotted(node: ast.AST) -> str | None:
 
 
 def names(text: str | int) -> set[str]:
-    """The names an expression reads (config attributes, dotted sub-config attributes and per-rank names;
-    not the function per_rank)."""
+    """The names an expression reads (config attributes, dotted sub-config attributes and per-rank names; the
+    lists at_layer reads; not the functions' names)."""
     out: set[str] = set()
 
     def walk(node: ast.AST) -> None:
@@ -114,7 +132,7 @@ def names(text: str | int) -> set[str]:
             out.add(node.id)
         elif isinstance(node, ast.Attribute):
             out.add(dotted(node))
-        elif isinstance(node, ast.Call):  # per_rank(...): its argument, not the function's name
+        elif isinstance(node, ast.Call):  # per_rank(...), at_layer(...): their arguments, not the function's name
             for arg in node.args:
                 walk(arg)
         else:
@@ -129,7 +147,13 @@ def per_rank_calls(text: str | int) -> list[tuple[str, ...]]:
     """The argument texts of every per_rank(...) call in an expression: 'per_rank(a) // per_rank(b, a)' ->
     [('a',), ('b', 'a')]."""
     return [tuple(ast.unparse(a) for a in node.args) for node in ast.walk(parse(text))
-            if isinstance(node, ast.Call)]
+            if isinstance(node, ast.Call) and node.func.id == "per_rank"]
+
+
+def layer_lists(text: str | int) -> list[str]:
+    """The per-layer lists an expression reads with at_layer(...): 'per_rank(at_layer(h)) * d' -> ['h']."""
+    return [ast.unparse(node.args[0]) for node in ast.walk(parse(text))
+            if isinstance(node, ast.Call) and node.func.id == "at_layer"]
 
 
 def even(n: int, tp_size: int) -> bool:
@@ -202,11 +226,19 @@ def per_rank(n: int, tp_size: int, what: str = "heads", rank: int = 0, query: in
 
 
 def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp_rank: int = 0,
-             uneven: bool = False, held: Mapping[int, Sequence[int]] | None = None) -> int:
+             uneven: bool = False, held: Mapping[int, Sequence[int]] | None = None,
+             at_layer: Callable[[str], object] | None = None) -> int:
     """Evaluate with `lookup(name)` for config attributes (it raises for unknown names); `uneven`: per_rank
     follows the uneven rule too (see `per_rank`). `held`: {feature count: what each rank holds of it} as the
     plan laid it out (stacked experts split in aligned units hold other counts than the balanced rule);
-    ``per_rank(n)`` of such a count is this rank's."""
+    ``per_rank(n)`` of such a count is this rank's. `at_layer(name)`: the entry of the per-layer list `name` at
+    the layer of the module being planned (it raises where that cannot be read); None: there is no module, and
+    an expression that calls at_layer is an error."""
+
+    def integer(name: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ExpressionError(f"config attribute {name} is {value!r}, not an integer")
+        return value
 
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant):
@@ -217,11 +249,15 @@ def evaluate(text: str | int, lookup: Callable[[str], int], tp_size: int = 1, tp
                 return tp_size
             if name == "tp_rank":
                 return tp_rank
-            value = lookup(name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ExpressionError(f"config attribute {name!r} is {value!r}, not an integer")
-            return value
-        if isinstance(node, ast.Call):  # per_rank(...), the only call _check lets through
+            return integer(repr(name), lookup(name))
+        if isinstance(node, ast.Call) and node.func.id == "at_layer":
+            name = ast.unparse(node.args[0])
+            if at_layer is None:
+                raise ExpressionError(f"at_layer({name}) reads the layer of the module an entry is applied to, and "
+                                      "this expression belongs to no entry's module (only an entry's expressions "
+                                      "may call it)")
+            return integer(f"{name}'s entry for this layer", at_layer(name))
+        if isinstance(node, ast.Call):  # per_rank(...)
             query = ev(node.args[1]) if len(node.args) == 2 else None
             n = ev(node.args[0])
             if held and query is None and n in held:

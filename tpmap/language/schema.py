@@ -87,6 +87,18 @@ Expr = Annotated[StrictInt | str, Field(description="integer expression, see tpm
 CheckedExpr = Annotated[StrictInt | str, AfterValidator(_check_expr),
                         Field(description="integer expression, see tpmap.language.expr")]
 AttributePath = Annotated[str, AfterValidator(_check_attribute_path)]
+
+
+def _check_input_expr(value: Any) -> Any:
+    if expr.layer_lists(value):  # parses it too
+        raise expr.ExpressionError(f"expression {value!r}: at_layer(...) reads the layer of the module an entry is "
+                                   "applied to, and a verify input belongs to no module (name a config attribute)")
+    return value
+
+
+# an expression outside every entry (a verify config's inputs): no module, so no at_layer(...)
+InputExpr = Annotated[StrictInt | str, AfterValidator(_check_input_expr),
+                      Field(description="integer expression, see tpmap.language.expr")]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=65536)]
 Pattern = Annotated[str, Field(description="dotted module path relative to the base model; * globs per component")]
 
@@ -557,8 +569,8 @@ class TokenRun(_Strict):
     """A run of one token id placed into every row of an ``ids`` example input, for the placeholders a
     model replaces by other features (the image tokens a multimodal model fills with its projected image
     features). Runs are placed back to back from position 1 of every row; the id appears nowhere else."""
-    id: CheckedExpr = Field(description="the token id (expression), e.g. image_token_id")
-    count: CheckedExpr = Field(
+    id: InputExpr = Field(description="the token id (expression), e.g. image_token_id")
+    count: InputExpr = Field(
         description="tokens per row (expression), by the model's own rule, e.g. the patches of one image: "
         "(vision_config.image_size // vision_config.patch_size) * (vision_config.image_size // "
         "vision_config.patch_size)"
@@ -567,7 +579,7 @@ class TokenRun(_Strict):
 
 class ExampleInput(_Strict):
     """One example input of a verify config: a tensor of this shape, filled according to its kind."""
-    shape: list[CheckedExpr] = Field(
+    shape: list[InputExpr] = Field(
         min_length=1, description="dimensions, integer expressions over config attributes (dotted names reach a "
         "sub-config: vision_config.image_size) and `batch` / `seq` (the batch size and sequence length of the "
         "derived inputs), e.g. [batch, num_mel_bins, 2 * max_source_positions]"
@@ -584,12 +596,12 @@ class ExampleInput(_Strict):
         [], description="(ids) runs of special token ids placed in every row from position 1, e.g. image "
         "placeholders: [{id: image_token_id, count: N}]"
     )
-    values: list[CheckedExpr] = Field(
+    values: list[InputExpr] = Field(
         [], description="(values) integer expressions, as many as the last dimension: every row holds them, e.g. "
         "image_sizes {shape: [batch, 2], kind: values, values: [vision_config.image_size, 2 * "
         "vision_config.image_size]} (height, width)"
     )
-    grid: list[CheckedExpr] = Field(
+    grid: list[InputExpr] = Field(
         [], description="(grid) [width, height], integer expressions: the input's last two dimensions are "
         "width * height cells and their (x, y), x = i % width and y = i // width for cell i, in every row, e.g. "
         "image_position_ids {shape: [batch, 16, 2], kind: grid, grid: [4, 4]}. (float) the input is flattened "

@@ -15,7 +15,7 @@ RULES: dict[str, str] = {
                    "than input_ids among a verify config's inputs)",
     "unknown-kind": "every entry's kind is one of Column, Row, Update, Param, Reduce, Enter, Input, Norm, Route",
     "wrong-type": "every value has the type its field needs",
-    "invalid-expression": "size expressions use only integers, names, + - * //, parentheses and per_rank()",
+    "invalid-expression": "size expressions use only integers, names, + - * //, parentheses, per_rank() and at_layer()",
     "unknown-model-type": "model_type is a transformers config.model_type",
     "unknown-model-class": "each verify model is a transformers class for this model_type",
     "model-build": "the model builds on the meta device from the default and the embedded configs",
