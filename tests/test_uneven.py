@@ -101,7 +101,7 @@ def _planned(digest: str) -> bool:
 # Update the plans equal main's (checked by removing it).
 # The three laguna entries (kv4 at 2 and 4, kv3-fullgate at 3): the same pieces; its Updates now set num_heads and
 # num_key_value_groups per layer (at_layer: its query-head count is a per-layer list) to their unchanged values, and
-# no longer set config.num_key_value_heads (one config object shared by every layer holds one value; no forward reads it).
+# no longer set config.num_key_value_heads (one config object shared by every layer holds one value; unread).
 
 
 def _same_as_main(cases) -> None:
