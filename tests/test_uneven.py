@@ -101,7 +101,8 @@ def _planned(digest: str) -> bool:
 # Update the plans equal main's (checked by removing it).
 # The three laguna entries (kv4 at 2 and 4, kv3-fullgate at 3): the same pieces; its Updates now set num_heads and
 # num_key_value_groups per layer (at_layer: its query-head count is a per-layer list) to their unchanged values, and
-# no longer set config.num_key_value_heads (one config object shared by every layer holds one value; unread).
+# no longer set config.num_key_value_heads (one config object shared by every layer holds one value; unread). Its
+# kv3-fullgate at 6 is planned where main refused it (3 // 6): each KV head held by two ranks; not verified at 6.
 # The thirty inkling entries (inkling_text, inkling2_text, inkling2_loop_text and the two mappings composing them):
 # their attention entries now come once per layer kind (when_layer on layer_types, each kind split by its own heads),
 # so at 2, 3 and 4 the same pieces come in another order, plus a num_key_value_groups Update to its unchanged value.
