@@ -27,7 +27,8 @@ def _verify(args) -> int:
         if args.all or args.model_types:
             print("tpmap verify: --model DIR proves one checkpoint; name no model types and no --all", file=sys.stderr)
             return 2
-        return max(verify_model.run(args.model, n) for n in (args.world_size or [2]))
+        dtype = getattr(__import__("torch"), args.dtype)
+        return max(verify_model.run(args.model, n, dtype=dtype) for n in (args.world_size or [2]))
     shipped = list(source.shipped_files())
     refs = shipped if args.all else args.model_types
     if not refs:
@@ -264,6 +265,8 @@ def _add_demo_verify_plan(sub) -> None:
     p.add_argument("--model", metavar="DIR", default=None,
                    help="your checkpoint folder instead: sharded vs unsharded logits and greedy tokens on its real "
                    "weights, on CPU workers (-n N, default 2), with the peak memory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="with --model: the dtype both models run in (default float32: differences are the mapping's)")
     p.add_argument("--world-size", "-n", type=int, action="append", help="only these world sizes (repeatable)")
     p.add_argument("-k", "--filter", default=None, metavar="TEXT",
                    help="only the cases whose 'model_type config class' contains TEXT (e.g. '[parallel]', 'moe')")
