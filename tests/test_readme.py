@@ -47,6 +47,7 @@ def test_the_readme_marks_its_two_usage_snippets_runnable():
 
 
 def _per_rank(out: str, what: str) -> dict[int, str]:
+    """{rank: value} from the ranks' lines; two ranks' prints may share a line (their writes interleave)."""
     return {int(r): v for r, v in re.findall(rf"rank (\d+): {what}", out)}
 
 
@@ -54,7 +55,7 @@ def test_the_apply_snippet_trains_with_the_unsharded_loss(ran):
     from transformers import AutoModelForCausalLM
 
     folder, outs = ran
-    losses = _per_rank(outs[0], r"loss (\S+)")
+    losses = _per_rank(outs[0], r"loss (\d+\.\d{4})")
     assert sorted(losses) == [0, 1] and losses[0] == losses[1]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder / "tiny-llama")
@@ -66,7 +67,7 @@ def test_the_from_pretrained_snippet_generates_the_unsharded_tokens_and_saves_th
     from transformers import AutoModelForCausalLM
 
     folder, outs = ran
-    tokens = _per_rank(outs[1], r"(\[.*\])")
+    tokens = _per_rank(outs[1], r"(\[[\d, ]*\])")
     assert sorted(tokens) == [0, 1] and tokens[0] == tokens[1]
     model = AutoModelForCausalLM.from_pretrained(folder / "tiny-llama").eval()
     with torch.no_grad():
