@@ -158,4 +158,28 @@ def test_fuzzed_mappings_lint_to_diagnostics_never_a_traceback(tmp_path_factory,
     path = tmp_path_factory.mktemp("fuzz") / "fuzzed.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     diagnostics = lint_file(str(path))  # any exception other than a return fails the test
-    assert all(d.path == str(path) and d.rule for d in diagnostics)
+    assert all(d.path == str(path) and d.rule for d in diagnostics), [(d.path, d.rule, d.message) for d in diagnostics]
+
+
+def test_lint_of_a_file_without_entries_whose_verify_config_fails_the_schema_reports_it(tmp_path):
+    """The full tier's fuzzing found it (seed 3665245637): lint's one pass (source.salvage) read data['entries'] of a
+    file without that key, whose only schema error was in a verify config, and raised KeyError."""
+    from tpmap.lint import lint_file
+
+    path = tmp_path / "no_entries.yaml"
+    path.write_text("model_type: gpt2\nverify:\n  - name: tiny\n    config: {n_embd: 96, n_head: 12, n_layer: 2}\n"
+                    "    models: [GPT2LMHeadModel]\n    bogus: 1\n")
+    assert [(d.line, d.rule) for d in lint_file(str(path))] == [(6, "unknown-key")]
+
+
+def test_lint_of_a_file_whose_verify_config_fails_the_schema_reports_no_pattern_its_variant_alone_has(tmp_path):
+    """Fuzzing (seed 3665245637): gemma4.yaml with its second verify config broken. Lint's one pass checks the rest
+    against the first config only, whose model has no audio tower nor MoE router: their replicated patterns, one in
+    the composed gemma4_text.yaml, were reported as matching nothing. Only the schema error is right."""
+    from tpmap.lint import lint_file
+
+    lines = source.shipped_files()["gemma4"].read_text().splitlines(keepends=True)
+    broken = next(i for i, line in enumerate(lines) if line.strip().startswith("count:") and i > 60)
+    path = tmp_path / "fuzzed.yaml"
+    path.write_text("".join(lines[:broken] + [lines[0]] + lines[broken + 1:]))
+    assert [(d.path, d.rule) for d in lint_file(str(path))] == [(str(path), "missing-key")]

@@ -58,7 +58,12 @@ GRAD_RTOL = {"grad_fp32": 1e-4, "grad_fp64": 2e-6}
 # same case within its bound
 LOOSE_FP32 = {"t5": 10, "reformer": 10, "gemma3n_text": 30, "paligemma": 10, "switch_transformers": 10,
               "qwen3_5_moe": 10, "granite_speech": 10, "granite_speech_plus": 10, "minicpmv4_6": 10, "hy_v4_vl": 10,
-              "granite4_vision": 10, "pp_formulanet": 30}
+              "granite4_vision": 10, "pp_formulanet": 30,
+              # Inkling 2 Loop runs its looped layers twice over, which compounds float32 rounding: at ws 4 (kv4) layer
+              # 0's relative_position_bias.linear.weight 1.09e-4, with the very pieces main planned (it passed at
+              # 1e-4 there) once kv4 also listed ws 3 and so drew other example ids (vocabulary boundaries at 3); no
+              # fp64 check can run (the router's weight stays float32 under .double(): not_checked grad_fp64)
+              "inkling2_loop_text": 10}
 # fp64 bound x factor for the parameters matching a pattern. Qwen3.5's Gated DeltaNet keeps float32 inside an
 # fp64 run (the chunked delta rule casts q/k/v/beta/decay to float32, the decay is -A_log.float().exp() * ...,
 # the gated norm and the decoder RMSNorms compute in float32), and A_log's gradient (2 heads per rank at ws 4,

@@ -370,7 +370,10 @@ def salvage(text: str, path: str) -> tuple[MappingFile, set[str]] | None:
         if len(loc) < 2 or loc[0] not in bad or not isinstance(loc[1], int):
             return None
         bad[loc[0]].add(loc[1])
-    keep = {name: [i for i in range(len(data[name])) if i not in dropped] for name, dropped in bad.items()}
+    if any(dropped and not isinstance(data.get(name), list) for name, dropped in bad.items()):
+        return None
+    keep = {name: [i for i in range(len(data[name])) if i not in dropped]
+            for name, dropped in bad.items() if isinstance(data.get(name), list)}  # an absent list has no items
     rest = {**data, **{name: [data[name][i] for i in kept] for name, kept in keep.items()}}
     try:
         mapping = Mapping.model_validate(rest)
@@ -378,7 +381,8 @@ def salvage(text: str, path: str) -> tuple[MappingFile, set[str]] | None:
         return None  # the rest fails on its own (an empty list): the schema errors are all there is
     moved = {(name, old): new for name, kept in keep.items() for new, old in enumerate(kept)}
     src = SourceMap(path, _renumbered(src.values, moved), _renumbered(src.keys, moved))
-    return MappingFile(mapping, src, rest, numbers=tuple(keep["entries"])), {name for name in bad if bad[name]}
+    numbers = tuple(keep["entries"]) if "entries" in keep else None
+    return MappingFile(mapping, src, rest, numbers=numbers), {name for name in bad if bad[name]}
 
 
 def _renumbered(positions: dict[tuple, Position], moved: dict[tuple, int]) -> dict[tuple, Position]:
