@@ -106,3 +106,18 @@ def even_verify_index(ref: str, cls: str, ws: int) -> int | None:
             if not tpmap.plan(model, ws, mapping=loaded).uneven:
                 return i
     return None
+
+
+def load_with_head_negated(monkeypatch, owner) -> None:
+    """Planted: `owner.from_pretrained` (an AutoModelForCausalLM as a module imported it) loads the unsharded model
+    with its LM head negated, so the comparisons of `tpmap demo` and `tpmap verify --model` must fail."""
+    import torch
+
+    load = owner.from_pretrained
+
+    def perturbed(*args, **kwargs):
+        model = load(*args, **kwargs)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1)
+        return model
+    monkeypatch.setattr(owner, "from_pretrained", perturbed)

@@ -220,20 +220,12 @@ def test_verify_model_fails_when_the_sharded_model_differs(tmp_path, monkeypatch
     """Planted: the unsharded model loaded with its head negated: logits and tokens differ, result FAIL, exit 1."""
     import io
 
-    import torch
-    import transformers
+    from helpers import load_with_head_negated
 
     from tpmap import verify_model
     from tpmap.demo import tiny_checkpoint
     tiny_checkpoint(str(tmp_path))
-    load = transformers.AutoModelForCausalLM.from_pretrained
-
-    def perturbed(*args, **kwargs):
-        model = load(*args, **kwargs)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(-1)
-        return model
-    monkeypatch.setattr(verify_model.AutoModelForCausalLM, "from_pretrained", perturbed)
+    load_with_head_negated(monkeypatch, verify_model.AutoModelForCausalLM)
     out = io.StringIO()
     assert verify_model.run(str(tmp_path), 2, new_tokens=4, out=out) == 1
     assert ": FAIL" in out.getvalue() and "result: FAIL" in out.getvalue()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-import torch
 import transformers
+from helpers import load_with_head_negated
 
 from tpmap import cli, demo
 
@@ -22,14 +22,7 @@ def test_the_demo_generates_the_unsharded_tokens_on_two_cpu_workers(capsys, tmp_
 
 def test_the_demo_fails_when_the_tokens_differ(monkeypatch):
     """Planted: the unsharded model loaded with one weight perturbed -- the demo must say so and exit 1."""
-    load = transformers.AutoModelForCausalLM.from_pretrained
-
-    def perturbed(*args, **kwargs):
-        model = load(*args, **kwargs)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(-1)
-        return model
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", perturbed)
+    load_with_head_negated(monkeypatch, transformers.AutoModelForCausalLM)
     out = io.StringIO()
     assert demo.run(new_tokens=8, out=out) == 1
     assert "equal: NO" in out.getvalue()
