@@ -64,9 +64,8 @@ def report(arg: str, world_size: int, *, mapping: str | None = None, model_class
     cls = _model_class(config, loaded, model_class)
     with torch.device("meta"):  # shapes only
         model = cls(config)
-    dt = getattr(torch, dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
-    dt = getattr(torch, dt) if isinstance(dt, str) else dt
-    size = torch.tensor([], dtype=dt).element_size()
+    dt = getattr(torch, dtype) if dtype else config_dtype(config)
+    size = dt.itemsize
     works = world_sizes_that_work(model, loaded)
     lines = [f"# {arg}: {config.model_type} ({cls.__name__}), mapping {loaded.source.path}",
              f"# world sizes that work for this config (of 1-{MAX_WORLD_SIZE}): {', '.join(map(str, works)) or 'none'}"]
@@ -80,11 +79,11 @@ def report(arg: str, world_size: int, *, mapping: str | None = None, model_class
     kv = kv_cache_bytes(config, world_size, seq_len, size)
     full_kv = kv_cache_bytes(config, 1, seq_len, size)
     lines.append(f"# world size {world_size}, {dt} ({size} bytes per element), {total:,} parameters "
-                 f"({_gib(total * size)} unsharded" + (f"; KV cache {_gib(full_kv[0])}" if full_kv else "") + ")")
+                 f"({gib(total * size)} unsharded" + (f"; KV cache {gib(full_kv[0])}" if full_kv else "") + ")")
     for r, share in enumerate(shares):
         heads = f", {plan.rank_heads()[r]} query heads" if plan.heads else ""
-        cache = f", KV cache at {seq_len} tokens {_gib(kv[r])}" if kv else ""
-        lines.append(f"rank {r}: weights {share:.1%} = {_gib(share * total * size)}{heads}{cache}")
+        cache = f", KV cache at {seq_len} tokens {gib(kv[r])}" if kv else ""
+        lines.append(f"rank {r}: weights {share:.1%} = {gib(share * total * size)}{heads}{cache}")
     if not kv:
         lines.append("# KV cache: not estimated (the config has no num_key_value_heads/num_attention_heads and "
                      "head_dim to count)")
@@ -131,5 +130,11 @@ def collectives(plan) -> str:
     return f"{sum(reduce.values())} all-reduce(s) ({parts or 'none'}), {gathers} all-gather(s)"
 
 
-def _gib(n: float) -> str:
+def config_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint's config names (a torch.dtype or its name), float32 where it names none."""
+    dt = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dt) if isinstance(dt, str) else dt
+
+
+def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tpmap.demo import PROMPT, prompt_ids
 from tpmap.parallelize.handle import parallelize
+from tpmap.plan_report import config_dtype, gib
 from tpmap.tool_errors import WontFitError
 from tpmap.verify import RTOL
 
@@ -71,9 +72,7 @@ def run(folder: str, world_size: int = 2, prompt: str = PROMPT, new_tokens: int 
     front."""
     out = out or sys.stdout
     config = AutoConfig.from_pretrained(folder)
-    stored = getattr(config, "dtype", None) or torch.float32
-    stored = getattr(torch, stored) if isinstance(stored, str) else stored
-    need = check_fits(folder, world_size, dtype.itemsize / stored.itemsize)
+    need = check_fits(folder, world_size, dtype.itemsize / config_dtype(config).itemsize)
     ids, tokenizer = prompt_ids(folder, prompt)
     settings = dict(max_new_tokens=new_tokens, do_sample=False)
     with parallelize(folder, world_size, device="cpu", dtype=dtype) as sharded:
@@ -99,11 +98,8 @@ def run(folder: str, world_size: int = 2, prompt: str = PROMPT, new_tokens: int 
           f" (sharded {tokens[0, ids.shape[1]:].tolist()}, unsharded {want_tokens[0, ids.shape[1]:].tolist()})",
           file=out)
     peak = _peak_rss(None)
-    print(f"memory    peak RSS: this process {_gib(peak)}, workers {', '.join(map(_gib, workers))} (estimated at most "
-          f"{_gib(need)} for the weights and their copies)", file=out)
+    print(f"memory    peak RSS: this process {gib(peak)}, workers {', '.join(map(gib, workers))} (estimated at most "
+          f"{gib(need)} for the weights and their copies)", file=out)
     print(f"result: {'pass' if ok else 'FAIL'}", file=out)
     return 0 if ok else 1
 
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
