@@ -690,12 +690,18 @@ def attribute_update(module: nn.Module, full: str, path: str, value_expr, ctx: E
                         f"{seen_attr[(full, path)]}", "attributes", path, rule="double-match")
     values = tuple(ctx.eval(value_expr, "attributes", path, tp_rank=r) for r in range(ctx.tp_size))
     if isinstance(current, int) and not isinstance(current, bool) and current >= 1:
-        bad = [(r, v) for r, v in enumerate(values) if not 1 <= v <= current]
-        if bad:  # a per-rank size is a positive part of the full one; anything else fails later, obscurely
+        # a per-rank size is a positive part of the full one; anything else fails later, obscurely. Key/value
+        # heads counted for a rank's query heads (per_rank(kv, q)) are the exception: at an uneven split a rank
+        # holds a KV head once per run of its query heads, up to one per query head (40 query / 8 KV heads at
+        # world size 3: 14 query heads read KV runs 5, 5, 4, so 14 local KV heads), so their bound is q.
+        most = max([current] + [ctx.eval(args[1], "attributes", path)
+                                for args in expr.per_rank_calls(value_expr) if len(args) == 2])
+        bad = [(r, v) for r, v in enumerate(values) if not 1 <= v <= most]
+        if bad:
             r, v = bad[0]
             raise ctx.error(DivisibilityError, f"{full}.{path} is {current} in the full model, but "
                             f"{value_expr!r} gives {v} on rank {r} at world size {ctx.tp_size}; a per-rank "
-                            f"value must lie between 1 and {current}", "attributes", path, rule="divisibility")
+                            f"value must lie between 1 and {most}", "attributes", path, rule="divisibility")
     seen_attr[(full, path)] = ctx.index
     via_config = isinstance(resolve_attr(module, path)[0], PretrainedConfig)
     return AttributeUpdate(module=full, attribute=path, full_value=current, values=values, via_config=via_config,

@@ -246,6 +246,21 @@ def test_a_norm_over_uneven_heads_plans_and_one_over_even_replicated_heads_is_re
         tpmap.plan(_meta_olmo2(num_key_value_heads=2), 4)  # 12 / 4 even, 2 KV heads replicated (vLLM's rule)
 
 
+def test_a_rank_may_hold_more_kv_heads_than_the_model_has_and_the_update_says_so():
+    """Llama 4 Scout's 40 query / 8 KV heads at 3, in small: 10 query / 2 KV heads. Rank 1's query heads 4-6 read KV
+    heads 0, 1, 1, so it holds KV head 0 once and 1 twice: 3 KV heads, more than the model's 2. The Update's
+    per-rank value is bounded by the query heads, not by the full value (main refused this shape in 14 mappings)."""
+    with torch.device("meta"):
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            hidden_size=80, num_attention_heads=10, num_key_value_heads=2, intermediate_size=96,
+            num_hidden_layers=1, vocab_size=250, pad_token_id=0))
+    plan = tpmap.plan(model, 3)
+    kv = next(u for u in plan.updates if u.attribute == "num_key_value_heads")
+    assert kv.full_value == 2 and kv.values == (1, 3, 1), kv
+    qkv = plan.params["model.layers.0.self_attn.qkv_proj.weight"]  # q 4/3/3 heads, then the KV copies, of 8
+    assert [len(qkv.indices(r)) // 8 for r in range(3)] == [4 + 2 * 1, 3 + 2 * 3, 3 + 2 * 1]
+
+
 def test_the_uneven_plan_of_smollm2s_shape():
     plan = tpmap.plan(_meta_llama(), 2)
     k = plan.params["model.layers.0.self_attn.k_proj.weight"]
