@@ -303,6 +303,26 @@ def expert_target_case() -> dict:
     return {"message": message, "untouched": state() == before}
 
 
+def parallel_experts_target_case() -> dict:
+    """LoRA aimed at the expert tensors of a model sharded with experts='parallel' (Mixtral: whole experts dealt
+    to the ranks): refused, naming the tensor and experts='split', and the model left as it was."""
+    sharded = tpmap.apply(verify.build_model("mixtral", 0, "MixtralForCausalLM"), dist.get_world_size(),
+                          experts="parallel")
+
+    def state():
+        return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
+                [(n, p.requires_grad) for n, p in sharded.named_parameters()], "peft_config" in vars(sharded))
+
+    before = state()
+    try:
+        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["q_proj"],
+                                                      target_parameters=["mlp.experts.gate_up_proj"]))
+        message = None
+    except NotImplementedError as e:
+        message = str(e)
+    return {"message": message, "untouched": state() == before}
+
+
 def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
     """LoRA on a (dp=2, tp=2) mesh: tpmap over tp, DDP (or FSDP2: "fsdp") over dp, each dp replica on its half
     of a batch, only the adapters training; against unsharded PEFT stepped on the whole batch (fp64, SGD).

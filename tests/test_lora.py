@@ -231,6 +231,15 @@ def test_lora_on_expert_tensors_split_another_way_is_refused_and_leaves_the_mode
         assert r["untouched"], r
 
 
+def test_lora_on_experts_dealt_whole_to_the_ranks_is_refused_naming_experts_split(ranks):
+    import lora_cases
+
+    for r in ranks(2).run(lora_cases.parallel_experts_target_case):
+        assert r["message"] is not None and "layers.0.mlp.experts.gate_up_proj" in r["message"], r
+        assert "experts='parallel'" in r["message"] and "experts='split'" in r["message"], r
+        assert r["untouched"], r
+
+
 @pytest.mark.full  # 4 ranks
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_lora_under_data_parallelism_equals_unsharded_peft_on_the_whole_batch(ranks, wrap):

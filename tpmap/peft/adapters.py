@@ -9,7 +9,8 @@ for ColumnParallelLinear and RowParallelLinear; `get_peft_model` and `from_pretr
 
 The layers and their math: `tpmap.peft.layers`.
 
-Not yet: expert tensors split another way, mixed-adapter batches, DoRA and other LoRA variants: each is refused
+Not yet: expert tensors split another way or dealt whole to the ranks (experts='parallel'), mixed-adapter batches,
+DoRA and other LoRA variants: each is refused
 with a message.
 """
 from __future__ import annotations
@@ -154,9 +155,18 @@ def _refuse_split_parameters(peft_model, names: dict[int, str], plan) -> None:
     maps names such as gate_proj onto) that a Param entry splits other than inside every expert (along the
     experts, a partial term, a cut ModuleList, a 2-D tensor) is not supported yet."""
     split = {name: shard for name, shard in plan.params.items() if shard.dim is not None}
+    dealt = {route.module for route in plan.routes}  # experts='parallel': whole experts dealt to the ranks
     for module in peft_model.modules():
         if isinstance(module, peft.tuners.lora.ParamWrapper):
-            name = f"{names.get(id(module.get_base_layer()), '?')}.{module.parameter_name}"
+            owner = names.get(id(module.get_base_layer()), "?")
+            name = f"{owner}.{module.parameter_name}"
+            if name in split and owner in dealt:
+                raise NotImplementedError(
+                    f"tpmap.peft: LoRA on {name} {tuple(split[name].full_shape)}, whose whole experts are dealt to the "
+                    "ranks (experts='parallel'), is not supported yet: shard the model with experts='split' (each "
+                    "expert split along its width; tpmap.apply, tpmap.from_pretrained and tpmap.parallelize take "
+                    "it), under which tpmap.peft splits the experts' adapters exactly, or leave the experts out of "
+                    r"the targets (for example target_modules=r'.*\.(q_proj|k_proj|v_proj|o_proj)')")
             if name in split and not (isinstance(module, ParallelParamWrapper) and module._shard() is not None):
                 shard = split[name]
                 raise NotImplementedError(
