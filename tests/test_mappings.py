@@ -147,7 +147,7 @@ def _cases():
                     deep = index == 0 and ws in (2, 4)
                     out.append(pytest.param(model_type, index, cls, ws, deep, deep and cls.endswith(GENERATES),
                                             id=f"{model_type}-{spec.name}-{cls}-ws{ws}"))
-                    if deep and any(e.experts == "parallel" for e in mapping.entries):
+                    if deep and "parallel" in verify.other_placements(model_type, index):
                         # whole experts per rank: forward and generate here, every gradient in test_expert_parallel
                         out.append(pytest.param(f"{model_type}{verify.PLACEMENT}parallel", index, cls, ws, False,
                                                 cls.endswith(GENERATES),

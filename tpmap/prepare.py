@@ -51,15 +51,19 @@ def read_mapping(model: nn.Module, mapping=None, experts: str | None = None) -> 
 
 def choose_experts(loaded: MappingFile, experts: str | None, model: nn.Module | None = None) -> MappingFile:
     """`loaded` with the experts placement `experts` ("split" or "parallel") chosen; None keeps its default.
-    The placements offered by a mapping that composes others are its parts' for `model` (without a model: its
-    own entries' only)."""
+    The placements offered by a mapping that composes others are its parts' for `model`; without a model its
+    choice is kept unchecked, and checked when a model reads it (`read_mapping`)."""
     if experts is None:
-        return loaded
-    whole = planner.composed(model, loaded) if model is not None else loaded
-    offered = sorted({e.experts for e in whole.mapping.entries if e.experts is not None})
+        if model is None or loaded.chosen_experts is None or not loaded.mapping.compose:
+            return loaded
+        experts = loaded.chosen_experts  # chosen before the model was known (a composing mapping): checked now
     if experts not in ("split", "parallel"):
         raise ValueError(f"experts={experts!r}: valid choices are 'split' (each expert split along its width) and "
                          "'parallel' (whole experts dealt to the ranks)")
+    if model is None and loaded.mapping.compose:  # its parts' entries are known with the model: read_mapping
+        return dataclasses.replace(loaded, chosen_experts=experts)  # checks the choice then
+    whole = planner.composed(model, loaded) if model is not None else loaded
+    offered = sorted({e.experts for e in whole.mapping.entries if e.experts is not None})
     if experts not in offered:
         has = (f"it gives entries for experts={offered[0]!r} only" if offered else
                "it places no experts either way (its MoE blocks, if any, are split by its plain entries)")

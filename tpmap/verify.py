@@ -426,9 +426,12 @@ def cases(refs, world_sizes=None) -> list[Case]:
     out = []
     for ref in refs:
         mapping = resolve(ref).mapping
-        others = sorted({e.experts for e in mapping.entries if e.experts is not None} - {mapping.experts})
-        for placed, suffix in [(ref, "")] + [(f"{ref}{PLACEMENT}{p}", f" [{p}]") for p in others]:
+        others = {i: other_placements(ref, i) for i in range(len(mapping.verify))}
+        for placement in [None] + sorted(set().union(*others.values())):
+            placed, suffix = (ref, "") if placement is None else (f"{ref}{PLACEMENT}{placement}", f" [{placement}]")
             for i, spec in enumerate(mapping.verify):
+                if placement is not None and placement not in others[i]:
+                    continue  # a composing mapping whose parts place experts in this config's model only
                 for tp_size in spec.world_sizes:
                     if world_sizes and tp_size not in world_sizes:
                         continue
@@ -436,6 +439,20 @@ def cases(refs, world_sizes=None) -> list[Case]:
                                     config_name=spec.name + suffix, class_name=cls, world_size=tp_size)
                                for cls in spec.models)
     return out
+
+
+def other_placements(ref: str, verify_index: int) -> list[str]:
+    """The experts placements other than the default that verify config `verify_index` offers: the mapping's own
+    entries', and for a mapping that composes others its parts' too, read with the config (a vision-language model
+    whose language model places experts both ways)."""
+    from tpmap.language import compose
+
+    loaded = resolve(ref)
+    if loaded.mapping.compose:
+        default, offered = compose.placements(loaded, tiny_config(ref, verify_index))
+    else:
+        default, offered = loaded.mapping.experts, {e.experts for e in loaded.mapping.entries if e.experts}
+    return sorted(offered - {default})
 
 
 def judge(case: Case, per_rank: list[dict]) -> Result:

@@ -123,25 +123,8 @@ def _part(loaded: MappingFile, k: int, item: Compose, config, submodel: SubModel
                                 f"{did_you_mean(item.module, names)}", src.value(("compose", k, "module")),
                                 "pattern-no-match")
     prefix, described = found
-    model_type = getattr(sub_config, "model_type", None)
     via = f"composed as {item.module!r} ({item.config}) by {src.value(('compose', k))}"
-    if item.mapping is not None and item.mapping.endswith((".yaml", ".yml")):
-        file = Path(src.path).parent / item.mapping
-        if not file.is_file():
-            raise MappingError(f"{where}: mapping file {str(file)!r} does not exist (a path is relative to "
-                               f"this file's folder)", src.value(("compose", k, "mapping")), "compose")
-    else:
-        name = item.mapping or model_type
-        files = shipped_files()
-        if name not in files:
-            missing = (f"tpmap ships no mapping {name!r} (named by mapping:) for it" if item.mapping
-                       else "for which tpmap has no mapping")
-            raise MappingError(
-                f"{where}: the sub-model {described} has model_type {model_type!r} ({item.config}.model_type), "
-                f"{missing}{did_you_mean(str(name), files)}; write mappings/{name}.yaml and prove it with tpmap "
-                "verify, or name another mapping (a model type or a .yaml path) with mapping:",
-                src.value(("compose", k)), "compose")
-        file = files[name]
+    file = _part_file(loaded, k, item, sub_config, described)
     if _identity(str(file)) in seen:
         raise MappingError(f"{where}: {file} is already being composed (a cycle: "
                            f"{' -> '.join(Path(s).name for s in seen)} -> {Path(file).name})",
@@ -155,6 +138,55 @@ def _part(loaded: MappingFile, k: int, item: Compose, config, submodel: SubModel
     inner_names = [n[len(prefix):] for n in names if n.startswith(prefix)] if prefix else list(names)
     sub = expand(sub, sub_config, inner, inner_names, errors, seen)
     return sub, prefix, path, via
+
+
+def _part_file(loaded: MappingFile, k: int, item: Compose, sub_config, described: str) -> Path:
+    """The file compose item `k` applies: its `mapping` (a .yaml path relative to the composing file, or a model
+    type), else the shipped one of the sub-config's model_type. Raises MappingError where there is none."""
+    src = loaded.source
+    where = f"compose {k} ({item.module!r})"
+    model_type = getattr(sub_config, "model_type", None)
+    if item.mapping is not None and item.mapping.endswith((".yaml", ".yml")):
+        file = Path(src.path).parent / item.mapping
+        if not file.is_file():
+            raise MappingError(f"{where}: mapping file {str(file)!r} does not exist (a path is relative to "
+                               f"this file's folder)", src.value(("compose", k, "mapping")), "compose")
+        return file
+    name = item.mapping or model_type
+    files = shipped_files()
+    if name not in files:
+        missing = (f"tpmap ships no mapping {name!r} (named by mapping:) for it" if item.mapping
+                   else "for which tpmap has no mapping")
+        raise MappingError(
+            f"{where}: the sub-model {described} has model_type {model_type!r} ({item.config}.model_type), "
+            f"{missing}{did_you_mean(str(name), files)}; write mappings/{name}.yaml and prove it with tpmap "
+            "verify, or name another mapping (a model type or a .yaml path) with mapping:",
+            src.value(("compose", k)), "compose")
+    return Path(files[name])
+
+
+def placements(loaded: MappingFile, config, _depth: int = 0) -> tuple[str | None, frozenset[str]]:
+    """(the default experts placement, every placement offered) of a mapping over a model of `config`, its composed
+    files' included, read from the files alone (no model: `expand` needs one). A composed item whose sub-config
+    is absent or whose file is missing offers nothing here (`expand` reports it)."""
+    mapping = loaded.mapping
+    offered = {e.experts for e in mapping.entries if e.experts is not None}
+    defaults = set()
+    for k, item in enumerate(mapping.compose if _depth <= MAX_DEPTH else ()):
+        sub_config = config
+        for name in item.config.split("."):
+            sub_config = getattr(sub_config, name, None)
+        if sub_config is None or not hasattr(sub_config, "model_type"):
+            continue
+        try:
+            sub = _load(str(_part_file(loaded, k, item, sub_config, item.module)))
+        except MappingError:
+            continue
+        default, more = placements(sub, sub_config, _depth + 1)
+        offered |= more
+        defaults |= {default} - {None}
+    default = mapping.experts or (defaults.pop() if len(defaults) == 1 else None)
+    return default, frozenset(offered)
 
 
 _CACHE: dict[tuple, MappingFile] = {}
