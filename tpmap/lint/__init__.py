@@ -62,12 +62,13 @@ _NEEDS_ALL = {"entries": ("coverage", "pairing"), "verify": ("when-never", "unsu
 def lint_file(path: str) -> list[Diagnostic]:
     """Every problem of one mapping file, sorted by position: its schema errors and, in the same pass, the
     structural problems of the items that passed the schema (`source.salvage`)."""
+    text = None  # read_text itself raises MappingErrors for a file over the size limit: nothing to salvage then
     try:
         text = source.read_text(path)
         loaded = source.load_text(text, path)
     except MappingErrors as e:
         schema = [Diagnostic.from_error(m) for m in e.errors]
-        salvaged = source.salvage(text, path)
+        salvaged = source.salvage(text, path) if text is not None else None
         if salvaged is None:
             return sort(schema)
         rest, dropped = salvaged
