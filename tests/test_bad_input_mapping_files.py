@@ -105,6 +105,14 @@ def test_tpmap_lint_reports_an_alias_bomb_without_a_traceback(tmp_path):
     assert main(["lint", str(path)]) == 1
 
 
+def test_tpmap_lint_reports_a_file_over_the_size_limit_without_a_traceback(tmp_path):
+    """Before: source.read_text raised the size error before lint_file had the text, and salvaging it raised
+    UnboundLocalError (a traceback, exit status 1 by accident)."""
+    path = tmp_path / "big.yaml"
+    path.write_text("model_type: llama\n# " + "x" * source.LIMITS["file_bytes"] + "\n")
+    assert [(d.line, d.col, d.rule) for d in lint_file(str(path))] == [(1, 1, "yaml-syntax")]
+
+
 # -- fuzzing ---------------------------------------------------------------------------------------
 _SCALARS = st.one_of(st.integers(-10**30, 10**30), st.text(max_size=12), st.booleans(), st.none(),
                      st.floats(allow_nan=True), st.sampled_from(["*a", "&a x", "!!python/object:os.system", "~",

@@ -4,6 +4,7 @@
     tpmap verify [MODEL_TYPE|FILE.yaml ...] [--all] [-n N ...]  prove mappings on real ranks (--model DIR: yours)
     tpmap plan MODEL_TYPE|FILE.yaml|DIR -n N [--rank R] [--seq-len L]  print the plan (DIR: your model's)
     tpmap lint [PATH ...] [--format text|json|github]            check mapping files statically
+    tpmap lint --schema-only [PATH ...]                          the schema alone, without torch/transformers (fast)
     tpmap schema                                                 print the mapping JSON Schema
     tpmap models [-o MODELS.md]                                  the table of shipped mappings and their proofs
     tpmap draft MODEL_TYPE [-o FILE]                             write a starting mapping (a draft)
@@ -16,6 +17,18 @@ import os
 import sys
 
 NOTHING_VERIFIED = 3  # tpmap verify's exit status when every mapping named was skipped (documented in its --help)
+# tpmap lint --schema-only's help: written here, not imported from tpmap.lint (that would cost `tpmap --help` its
+# 0.1 s start); tpmap/lint/__init__.py and docs/lint.md say the same
+SCHEMA_ONLY_HELP = (
+    "the schema rules alone (YAML syntax, duplicate keys, unknown keys and kinds, wrong types, invalid expressions: "
+    "`tpmap lint --rules --schema-only`), without importing torch or transformers: a fraction of a second, for "
+    "editors and pre-commit hooks. Left out: every check that needs transformers' config or model classes: all the "
+    "structural rules, among them config-attribute (a name in an expression, a verify config key or an input shape "
+    "that the model type's config lacks), unknown-model-type, unknown-model-class, when-attribute and "
+    "transformers-never; the unknown-key of a verify input that is no argument of the class's forward and the "
+    "missing-key of a class's main input other than input_ids; compose (composed sub-models' mappings are not "
+    "read); and the transformers-version note. A file clean here can still fail the full lint"
+)
 
 
 def _verify(args) -> int:
@@ -127,12 +140,13 @@ def _lint(args) -> int:
     from tpmap import lint
     from tpmap.lint import report
 
-    if args.rules:
-        width = max(map(len, lint.RULES))
-        print("\n".join(f"{rule.ljust(width)}  {what}" for rule, what in lint.RULES.items()))
+    if args.rules:  # with --schema-only: the rules that mode checks
+        rules = {r: w for r, w in lint.RULES.items() if not args.schema_only or r in lint.SCHEMA_RULES}
+        width = max(map(len, rules))
+        print("\n".join(f"{rule.ljust(width)}  {what}" for rule, what in rules.items()))
         return 0
-    try:
-        files, diagnostics = lint.lint_paths(args.paths)
+    try:  # --schema-only: tpmap.language.source alone, neither torch nor transformers is imported
+        files, diagnostics = lint.lint_paths(args.paths, schema_only=args.schema_only)
     except lint.LintUsageError as e:
         print(f"tpmap lint: {e}", file=sys.stderr)
         return 2
@@ -204,12 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lint", help="check mapping files against the schema and the real model structure",
                        description="Check mapping files statically: schema, then the mapping against each model "
-                       "built on the meta device (no weights, no process group). Exit status: 0 clean, 1 errors, "
+                       "built on the meta device (no weights, no process group); --schema-only: the schema alone, "
+                       "without torch or transformers (fast; see below). Exit status: 0 clean, 1 errors, "
                        "2 usage error.")
     p.add_argument("paths", nargs="*", metavar="PATH", help="mapping files or folders (default: the shipped mappings)")
     p.add_argument("--format", choices=("text", "json", "github"), default="text",
                    help="text (default), json, or github (GitHub Actions ::error annotations)")
-    p.add_argument("--rules", action="store_true", help="list the rule ids and exit")
+    p.add_argument("--schema-only", action="store_true", help=SCHEMA_ONLY_HELP)
+    p.add_argument("--rules", action="store_true", help="list the rule ids and exit (with --schema-only: its rules)")
     p.set_defaults(func=_lint)
 
     p = sub.add_parser("models", help="the table of shipped mappings and what CI proves for each (MODELS.md)")

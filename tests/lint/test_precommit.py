@@ -1,4 +1,4 @@
-"""The shipped pre-commit hook, run by pre-commit itself from a scratch git repository (offline).
+"""The shipped pre-commit hooks, run by pre-commit itself from a scratch git repository (offline).
 
 pre-commit is part of the `test` extra so that this runs in CI instead of being skipped. The hook
 repository is a throwaway git repository holding this checkout's `.pre-commit-hooks.yaml` at one
@@ -28,7 +28,9 @@ def init_repo(path: Path) -> None:
     git(path, "config", "commit.gpgsign", "false")
 
 
-def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
+def scratch_repositories(tmp_path: Path, hook: str) -> tuple[Path, list[str], dict]:
+    """A hook repository holding this checkout's hook file, a user repository whose pre-commit config runs `hook`
+    on a copy of mappings/llama.yaml: (the user repository, the pre-commit command, its environment)."""
     hooks = tmp_path / "hooks"
     init_repo(hooks)
     shutil.copy(ROOT / ".pre-commit-hooks.yaml", hooks / ".pre-commit-hooks.yaml")
@@ -39,7 +41,7 @@ def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
     user = tmp_path / "user"
     init_repo(user)
     (user / ".pre-commit-config.yaml").write_text(
-        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: tpmap-lint\n")
+        f"repos:\n  - repo: {hooks}\n    rev: {rev}\n    hooks:\n      - id: {hook}\n")
     (user / "mappings").mkdir()
     shutil.copy(ROOT / "mappings" / "llama.yaml", user / "mappings" / "llama.yaml")
     (user / "notes.yaml").write_text("not: [a mapping\n")  # outside mappings/: the hook must skip it
@@ -49,7 +51,11 @@ def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
            # `tpmap` of the interpreter running the tests, whatever PATH the caller has
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     assert shutil.which("tpmap", path=env["PATH"]), "tpmap is not installed next to this python"
-    cmd = [sys.executable, "-m", "pre_commit", "run", "--all-files", "--color", "never"]
+    return user, [sys.executable, "-m", "pre_commit", "run", "--all-files", "--color", "never"], env
+
+
+def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
+    user, cmd, env = scratch_repositories(tmp_path, "tpmap-lint")
 
     ok = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -62,3 +68,25 @@ def test_pre_commit_hook_from_a_scratch_repository(tmp_path):
     assert "Failed" in bad.stdout
     assert ("mappings/llama.yaml:15:12: error: entry 1 (Column 'layers.*.self_attn.k_proj'): the LlamaConfig has "
             "no attribute 'num_kv_heads' (did you mean num_key_value_heads?) [config-attribute]") in bad.stdout
+
+
+def test_schema_only_pre_commit_hook(tmp_path):
+    """tpmap-lint-schema (`tpmap lint --schema-only`): a schema error fails the commit; a config attribute the model
+    type's config lacks passes it, as documented (only the whole lint reads the config class)."""
+    user, cmd, env = scratch_repositories(tmp_path, "tpmap-lint-schema")
+    mapping = user / "mappings" / "llama.yaml"
+    text = mapping.read_text()
+
+    ok = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "tpmap lint --schema-only" in ok.stdout and "Passed" in ok.stdout
+
+    mapping.write_text(text.replace("heads: num_key_value_heads", "heads: num_kv_heads"))
+    missed = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert missed.returncode == 0 and "Passed" in missed.stdout, missed.stdout + missed.stderr
+
+    mapping.write_text(text.replace("heads: num_key_value_heads", "haeds: num_key_value_heads", 1))
+    bad = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Failed" in bad.stdout, bad.stdout + bad.stderr
+    assert "mappings/llama.yaml:15:5: error: unknown key 'haeds' (did you mean heads?); " in bad.stdout
+    assert bad.stdout.count(": error: ") == 1 and "[unknown-key]" in bad.stdout

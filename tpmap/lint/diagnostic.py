@@ -44,6 +44,11 @@ RULES: dict[str, str] = {
     "route-reduce": "a Route's experts module is also reduced (each rank's output is its experts' terms)",
 }
 
+# the rules of the schema layer: what `tpmap.language.source` reports when it loads a file (YAML, pydantic), with no
+# model library; `tpmap lint --schema-only` runs these alone
+SCHEMA_RULES: tuple[str, ...] = ("yaml-syntax", "duplicate-key", "empty-file", "unknown-key", "missing-key",
+                                 "unknown-kind", "wrong-type", "invalid-expression")
+
 # notes: printed, but not errors (the exit status stays 0)
 NOTES: dict[str, str] = {
     "transformers-version": "the file's own `transformers` range excludes the installed release: not checked on it",
