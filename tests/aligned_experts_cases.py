@@ -13,6 +13,7 @@ from tpmap import verify
 
 
 def bf16_forward(ref: str, verify_index: int, class_name: str, folder: str) -> dict:
+    exact = verify.build_model(ref, verify_index, class_name)  # fp32: what both bf16 models round
     full = verify.build_model(ref, verify_index, class_name).to(torch.bfloat16)
     if dist.get_rank() == 0:
         full.save_pretrained(Path(folder))
@@ -21,7 +22,9 @@ def bf16_forward(ref: str, verify_index: int, class_name: str, folder: str) -> d
     ids = verify.case_inputs(ref, verify_index, full)["input_ids"]
     with torch.no_grad():
         want, got = full(input_ids=ids).logits.float(), model(input_ids=ids).logits.float()
+        fp32 = exact(input_ids=ids).logits
     down = model.get_submodule("model.layers.0.mlp.experts").down_proj
     return {"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+            "sharded_vs_fp32": (got - fp32).abs().max().item(), "unsharded_vs_fp32": (want - fp32).abs().max().item(),
             "width": down.shape[2], "dtype": str(down.dtype),
             "implementation": model.config._experts_implementation}

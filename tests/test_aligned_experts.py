@@ -168,8 +168,9 @@ def test_a_bf16_mixtral_runs_grouped_mm_at_an_aligned_uneven_split(ranks, tmp_pa
     ref, index = str(path), len(verify.resolve(str(path)).mapping.verify) - 1
     per_rank = ranks(2).run(aligned_experts_cases.bf16_forward, ref, index, CLASS, str(tmp_path / "hf"))
     assert [r["width"] for r in per_rank] == [56, 48] and per_rank[0]["dtype"] == "torch.bfloat16", per_rank
-    for r in per_rank:
-        assert r["implementation"] == "grouped_mm" and r["max_diff"] <= 2e-2 * r["scale"], r
+    for r in per_rank:  # bf16 rounds differently by CPU (AVX512-BF16 or AMX kernels): both bf16 models against fp32
+        assert r["implementation"] == "grouped_mm" and r["unsharded_vs_fp32"] <= 0.1 * r["scale"], r
+        assert r["sharded_vs_fp32"] <= 1.5 * r["unsharded_vs_fp32"], r  # sharded: as close as unsharded bf16
 
 
 # -- interleaved sections with biases (gpt-oss) ------------------------------------------------------------
