@@ -24,21 +24,22 @@ def input_ids(vocab_size: int) -> torch.Tensor:
     return (torch.arange(24).reshape(2, 12) * 7 + 3) % vocab_size
 
 
-def load_fp8(folder: str, plain: str, dtype: str | None = None) -> dict:
+def load_fp8(folder: str, plain: str, dtype: str | None = None, experts: str | None = None) -> dict:
     """tpmap.from_pretrained of the FP8 folder on this rank, against tpmap.from_pretrained of `plain` (the same
     weights dequantized by the test and stored unquantized): every tensor bit for bit; the logits (rank 0),
     the parameter bytes this rank keeps, the local size of every parameter and the bytes it read (every run on
     its own: GAP_BYTES 0, so no gap between a Row weight's runs is read). Weights are dequantized a few rows at a
-    time (CHUNK_ELEMENTS 3000: blocks of rows that do not fall on scale blocks), as large ones are."""
+    time (CHUNK_ELEMENTS 3000: blocks of rows that do not fall on scale blocks), as large ones are. `experts`: the
+    placement of MoE experts (tpmap.from_pretrained's)."""
     torch_dtype = getattr(torch, dtype) if dtype else None
     saved = slice_io.GAP_BYTES, fp8.CHUNK_ELEMENTS
     slice_io.GAP_BYTES, fp8.CHUNK_ELEMENTS = 0, 3000
     try:
         with _CountReads() as reads:
-            got = tpmap.from_pretrained(folder, dtype=torch_dtype)
+            got = tpmap.from_pretrained(folder, dtype=torch_dtype, experts=experts)
     finally:
         slice_io.GAP_BYTES, fp8.CHUNK_ELEMENTS = saved
-    want = tpmap.from_pretrained(plain, dtype=torch_dtype)
+    want = tpmap.from_pretrained(plain, dtype=torch_dtype, experts=experts)
     with torch.no_grad():
         logits = got(input_ids(got.config.vocab_size)).logits
     params = dict(got.named_parameters())

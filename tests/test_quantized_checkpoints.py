@@ -150,6 +150,28 @@ def test_fp8_block_scaled_checkpoint_loads_dequantized(ranks, tmp_path, layout, 
     assert max(r["read"] for r in results) < (0.7 if world_size == 2 else 0.5) * file_bytes
 
 
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_fp8_experts_dealt_whole_read_only_their_experts_and_scales(ranks, tmp_path, world_size):
+    """experts='parallel' on an FP8 Mixtral stored per expert (w1/w3/w2 of each, each with its block scales; the
+    conversion stacks them): each rank dequantizes and keeps only its whole experts (4 at 3: 2/1/1), bit for bit the
+    plain folder's, and reads the float8 bytes and scales of those experts alone."""
+    folder, reference = _layout(tmp_path, "mixtral-32")
+    results = ranks(world_size).run(quantized_cases.load_fp8, str(folder), str(reference), None, "parallel")
+    assert [r["differ"] for r in results] == [[]] * world_size
+    full = AutoModelForCausalLM.from_pretrained(reference)
+    with torch.no_grad():
+        want = full(quantized_cases.input_ids(full.config.vocab_size)).logits
+    assert ((results[0]["logits"] - want).abs().max() / want.abs().max()).item() < 1e-4
+    held = [r["numel"]["model.layers.0.mlp.experts.gate_up_proj"] // (2 * 96 * 64) for r in results]
+    assert held == ([2, 2] if world_size == 2 else [2, 1, 1]), held  # whole experts: E_r x 2I x H
+    stored = load_file(folder / "model.safetensors")
+    expert_bytes = [sum(t.numel() * t.element_size() for n, t in stored.items() if f".experts.{e}." in n)
+                    for e in range(4)]
+    other = sum(t.numel() * t.element_size() for t in stored.values()) - sum(expert_bytes)
+    for r, experts in zip(results, held):  # this rank's experts (weights and scales) and at most all the rest
+        assert r["read"] <= experts * expert_bytes[0] + other, (r["read"], experts, expert_bytes, other)
+
+
 def test_fp8_in_bfloat16_equals_the_reference_cast(ranks, tmp_path):
     """dtype=bfloat16: each weight rounded once, from the fp32 product (transformers' order), not computed in bf16."""
     folder, reference = _layout(tmp_path, "phi3-32x48")
