@@ -2,20 +2,20 @@
 `tpmap.apply`, per rank: peak RSS growth (anonymous and file-backed pages separately), wall time, bytes
 read, and the bytes the rank keeps.
 
-    python benchmarks/load.py [--models llama mixtral] [--world-sizes 1 2 4] [--dir /tmp] [--keep]
-                              [--whole-conversions] [--tiny]
+    python benchmarks/load.py [--models llama mixtral mixtral_stacked] [--world-sizes 1 2 4] [--dir /tmp] [--keep]
+                              [--whole-conversions] [--tiny] [--experts split|parallel]
 
-It writes random bf16 checkpoints as transformers' save_pretrained lays them out (sharded into several
-files; Mixtral's experts as per-expert 2-D tensors, which loading fuses into 3-D parameters): a
-~1.1 B-parameter Llama shape (TinyLlama: hidden 2048, 22 layers, 32 heads, 4 KV heads, MLP 5632,
-vocabulary 32000) and a ~0.9 B Mixtral shape (hidden 1024, 16 layers, 16 heads, 8 KV heads, 8 experts
-of MLP 2048). Every rank is a process of a gloo group; before the clock starts it imports everything
-and loads a tiny checkpoint of the same model type the same way (so lazy imports are not measured),
-then resets its peak RSS. While it loads, this process samples each rank's /proc/PID/status every
-5 ms (RssAnon, RssFile); the rank itself reports VmHWM (the kernel's peak, anonymous + file-backed),
-its wall time and CPU time (user + system, all its threads: the machine may be shared), /proc/self/io's
-rchar (bytes passed through read system calls: what tpmap reads; a memory-mapped read, transformers'
-way, shows up as file-backed RSS instead) and the bytes of the tensors it keeps.
+It writes random bf16 checkpoints as transformers' save_pretrained lays them out (sharded into several files;
+Mixtral's experts as per-expert 2-D tensors, which loading fuses into 3-D parameters): a ~1.1 B-parameter Llama
+shape (TinyLlama: hidden 2048, 22 layers, 32 heads, 4 KV heads, MLP 5632, vocabulary 32000) and a ~0.9 B Mixtral
+shape (hidden 1024, 16 layers, 16 heads, 8 KV heads, 8 experts of MLP 2048; `mixtral_stacked`: the same with its
+experts stored stacked, as the 3-D parameters). Every rank is a process of a gloo group; before the clock starts it
+imports everything and loads a tiny checkpoint of the same model type the same way (so lazy imports are not
+measured), then resets its peak RSS. While it loads, this process samples each rank's /proc/PID/status every 5 ms
+(RssAnon, RssFile); the rank itself reports VmHWM (the kernel's peak, anonymous + file-backed), its wall time and
+CPU time (user + system, all its threads: the machine may be shared), /proc/self/io's rchar (bytes passed through
+read system calls: what tpmap reads; a memory-mapped read, transformers' way, shows up as file-backed RSS instead)
+and the bytes of the tensors it keeps.
 
 Target: peak growth <= 1.15 x kept + a fixed allowance (ALLOWANCE_MIB: the interpreter's own
 churn while loading, measured on a tiny checkpoint). `--whole-conversions` measures tpmap's fallback for
@@ -45,13 +45,16 @@ MODELS = {
                                            num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
                                            tie_word_embeddings=False)),
 }
+MODELS["mixtral_stacked"] = MODELS["mixtral"]  # the same model, its experts stored as the 3-D parameters themselves
+STACKED = {"mixtral_stacked"}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             vocab_size=256)
 
 
 # -- writing a random checkpoint, laid out as transformers' save_pretrained lays it out ------------------
-def write_checkpoint(folder: Path, class_name: str, overrides: dict, max_shard_size: str) -> int:
-    """A random bf16 checkpoint, one tensor in memory at a time; returns its tensor bytes."""
+def write_checkpoint(folder: Path, class_name: str, overrides: dict, max_shard_size: str, stacked: bool = False) -> int:
+    """A random bf16 checkpoint, one tensor in memory at a time; returns its tensor bytes. `stacked`: MoE experts
+    stored as the model's 3-D parameters (gate_up_proj [E, 2I, H]), not per expert as save_pretrained writes them."""
     import transformers
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers import AutoConfig
@@ -67,7 +70,8 @@ def write_checkpoint(folder: Path, class_name: str, overrides: dict, max_shard_s
     with torch.device("meta"):
         model = cls(config).to(torch.bfloat16)
     state = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
-    state = revert_weight_conversion(model, state)  # per-expert tensors, as transformers saves them
+    if not stacked:
+        state = revert_weight_conversion(model, state)  # per-expert tensors, as transformers saves them
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,19 +106,20 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def _load(method: str, folder: str, world_size: int):
+def _load(method: str, folder: str, world_size: int, experts: str | None = None):
     import tpmap
 
     if method == "tpmap":
-        return tpmap.from_pretrained(folder, dtype=torch.bfloat16)
+        return tpmap.from_pretrained(folder, dtype=torch.bfloat16, experts=experts)
     import transformers
 
     config = json.loads((Path(folder) / "config.json").read_text())
     cls = getattr(transformers, config["architectures"][0])
-    return tpmap.apply(cls.from_pretrained(folder, dtype=torch.bfloat16), world_size)
+    return tpmap.apply(cls.from_pretrained(folder, dtype=torch.bfloat16), world_size, experts=experts)
 
 
-def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm: str, whole: bool, phase, results):
+def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm: str, whole: bool, phase, results,
+          experts: str | None = None):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -123,7 +128,7 @@ def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm:
     from tpmap.checkpoint import conversion
 
     conversion.LAZY_CONVERSIONS = not whole
-    del_model = _load(method, warm, world_size)  # imports and code paths warm; measured run below
+    del_model = _load(method, warm, world_size, experts)  # imports and code paths warm; measured run below
     del del_model
     import gc
 
@@ -134,7 +139,7 @@ def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm:
     base, read0 = _status(), _rchar()
     phase.value = 1
     start, cpu = time.perf_counter(), time.process_time()
-    model = _load(method, folder, world_size)
+    model = _load(method, folder, world_size, experts)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     phase.value = 2
     end, read1 = _status(), _rchar()
@@ -148,7 +153,8 @@ def _rank(rank: int, world_size: int, port: int, method: str, folder: str, warm:
     dist.destroy_process_group()
 
 
-def measure(method: str, folder: Path, warm: Path, world_size: int, whole: bool = False) -> list[dict]:
+def measure(method: str, folder: Path, warm: Path, world_size: int, whole: bool = False,
+            experts: str | None = None) -> list[dict]:
     """Run one load on `world_size` rank processes; per-rank numbers, peaks sampled from here."""
     import torch.multiprocessing as mp
 
@@ -159,7 +165,7 @@ def measure(method: str, folder: Path, warm: Path, world_size: int, whole: bool 
     results = ctx.Queue()
     phases = [ctx.Value("i", 0) for _ in range(world_size)]
     procs = [ctx.Process(target=_rank, args=(r, world_size, port, method, str(folder), str(warm), whole, phases[r],
-                                             results)) for r in range(world_size)]
+                                             results, experts)) for r in range(world_size)]
     for p in procs:
         p.start()
     peaks = [{"RssAnon": 0, "RssFile": 0, "sum": 0} for _ in procs]
@@ -226,6 +232,8 @@ def main() -> None:
                         help="also measure tpmap with lazy conversion off (its fallback), for converted models")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test of this script)")
     parser.add_argument("--max-shard-size", default="500MB")
+    parser.add_argument("--experts", choices=["split", "parallel"], help="the MoE experts' placement (default: the "
+                        "mapping's)")
     args = parser.parse_args()
 
     rows = []
@@ -239,19 +247,21 @@ def main() -> None:
                 shape = {**shape, **TINY, **({"num_key_value_heads": 4} if "num_key_value_heads" in shape else {})}
             folder, warm = root / (name + ("-tiny" if args.tiny else "")), root / f"{name}-warm"
             if not (args.reuse and (warm / "config.json").is_file()):
-                write_checkpoint(warm, class_name, {**shape, **TINY}, "50GB")
+                write_checkpoint(warm, class_name, {**shape, **TINY}, "50GB", name in STACKED)
             if not (args.reuse and (folder / "config.json").is_file()):
-                write_checkpoint(folder, class_name, shape, args.max_shard_size)
+                write_checkpoint(folder, class_name, shape, args.max_shard_size, name in STACKED)
             size = sum(os.path.getsize(f) for f in folder.glob("*.safetensors"))
             files = len(list(folder.glob("*.safetensors")))
             print(f"# {name}: {size / MiB:.0f} MiB of tensors in {files} files ({class_name}, bf16)", flush=True)
-            loaders = [(m, m if m == "tpmap" else "transformers+apply", False) for m in args.loaders]
+            placed = f" experts={args.experts}" if args.experts and class_name.startswith("Mixtral") else ""
+            loaders = [(m, (m if m == "tpmap" else "transformers+apply") + placed, False) for m in args.loaders]
             converted = name == "mixtral"
             if args.whole_conversions and converted:
                 loaders.append(("tpmap", "tpmap, whole conversions", True))
             for ws in args.world_sizes:
                 for method, label, whole in loaders:
-                    per_rank = measure("tpmap" if method == "tpmap" else "hf", folder, warm, ws, whole)
+                    per_rank = measure("tpmap" if method == "tpmap" else "hf", folder, warm, ws, whole,
+                                       args.experts if placed else None)
                     rows.append(row(name, ws, label, per_rank))
                     print(render(rows[-1:]).splitlines()[-1], flush=True)
             if not args.keep:
