@@ -1,0 +1,149 @@
+"""The floor of tensor parallelism on this machine: the same sharded model with every collective made local, so
+each rank runs its own shard concurrently with the others and nothing is exchanged. No tensor-parallel run of that
+layout can be faster; tpmap is reported as a percentage of it, beside the ratio to the unsharded model, all three
+interleaved in one run (rounds rotate the order; the first two are warm-up; each time is the slowest rank's, a
+barrier before and the max over ranks after; medians). 1 thread per rank.
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/floor.py [--dtype float32|bfloat16] [--rounds 9]
+
+The floor model is tpmap's own sharded model run inside `no_collectives()`: shared-memory and torch.distributed
+sums return the rank's own partial sum, gathers fill every slot with the rank's own part. Its outputs are wrong by
+design (only its time is used), so decode runs a fixed number of new tokens (min_new_tokens = max_new_tokens).
+The model is latency.py's Llama shape (170 M parameters: hidden 768, 12 layers, 12 heads, MLP 2048, vocabulary
+32000). Tasks: forward (1, 8) and (4, 128), greedy decode of 32 tokens after 16 (tokens/s), a training step
+(2, 128; loss.backward; in bf16 under CPU autocast with fp32 weights, as bf16 training runs).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import tpmap
+from tpmap.engine import shm as shm_path
+
+VOCAB = 32000
+CONFIG = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+              intermediate_size=2048, vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=False)
+NEW_TOKENS = 32
+
+
+def _fill_gather(out: torch.Tensor, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`out` with every rank's slot along `dim` holding this rank's `t` (a gather with no one else)."""
+    for part in out.split(t.shape[dim], dim=dim):
+        part.copy_(t)
+    return out
+
+
+def _gather_list(parts: list[torch.Tensor], t: torch.Tensor, *args, **kwargs) -> None:
+    for part in parts:
+        part.copy_(t)
+
+
+def _gather_into(out: torch.Tensor, t: torch.Tensor, *args, **kwargs) -> None:
+    _fill_gather(out, t, 0)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Inside: every collective tpmap issues on CPU is local (shared memory and torch.distributed alike)."""
+    fakes = {
+        (shm_path, "all_reduce"): lambda t, shm: t,
+        (shm_path, "all_gather"): lambda out, t, shm: _fill_gather(out, t, -1),
+        (shm_path, "all_gather_into_tensor"): lambda out, t, shm: _fill_gather(out, t, 0),
+        (shm_path, "reduce_scatter_tensor"): lambda out, t, shm: out.copy_(t[:out.shape[0]]),
+        (dist, "all_reduce"): _nothing,
+        (dist, "broadcast"): _nothing,
+        (dist, "all_gather"): _gather_list,
+        (dist, "all_gather_into_tensor"): _gather_into,
+    }
+    saved = {key: getattr(*key) for key in fakes}
+    for (module, name), fake in fakes.items():
+        setattr(module, name, fake)
+    try:
+        yield
+    finally:
+        for (module, name), real in saved.items():
+            setattr(module, name, real)
+
+
+def forward(model, shape) -> None:
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+
+
+def decode(model) -> None:
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def train(model, autocast: bool) -> None:
+    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ws = dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    full = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    trained = {"unsharded": full, "tpmap": tpmap.apply(copy.deepcopy(full), ws).eval()}  # fp32 weights: training
+    models = {name: copy.deepcopy(m).to(dtype) for name, m in trained.items()}  # forward and decode in `dtype`
+    bf16 = dtype == torch.bfloat16
+    tasks = {"fwd 1x8": (lambda m: forward(m, (1, 8)), models), "fwd 4x128": (lambda m: forward(m, (4, 128)), models),
+             f"decode {NEW_TOKENS}": (decode, models), "train 2x128": (lambda m: train(m, bf16), trained)}
+    forward(models["tpmap"], (1, 8))  # the group's collective path chosen (a collective) outside no_collectives
+    variants = ["unsharded", "tpmap", "floor"]
+    times: dict[tuple[str, str], list[float]] = {(t, v): [] for t in tasks for v in variants}
+    for round_ in range(args.rounds):
+        for task, (run, pool) in tasks.items():
+            k = round_ % len(variants)
+            for name in variants[k:] + variants[:k]:
+                dist.barrier()
+                start = time.perf_counter()
+                if name == "floor":
+                    with no_collectives():
+                        run(pool["tpmap"])
+                else:
+                    run(pool[name])
+                took = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's
+                if round_ >= 2:
+                    times[(task, name)].append(took.item())
+    if dist.get_rank() == 0:
+        print(f"Llama 170M, {args.dtype}, ws={ws}: median seconds; x unsharded; tpmap as % of the floor's speed")
+        for task in tasks:
+            med = {v: statistics.median(times[(task, v)]) for v in variants}
+            print(f"  {task:12s} unsharded {med['unsharded']:.4f}  tpmap {med['tpmap']:.4f} "
+                  f"({med['tpmap'] / med['unsharded']:.2f}x)  floor {med['floor']:.4f} "
+                  f"({med['floor'] / med['unsharded']:.2f}x)  tpmap at {100 * med['floor'] / med['tpmap']:.0f}% "
+                  "of the floor")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
