@@ -117,6 +117,16 @@ def main() -> None:
     tasks = {"fwd 1x8": (lambda m: forward(m, (1, 8)), models), "fwd 4x128": (lambda m: forward(m, (4, 128)), models),
              f"decode {NEW_TOKENS}": (decode, models), "train 2x128": (lambda m: train(m, bf16), trained)}
     forward(models["tpmap"], (1, 8))  # the group's collective path chosen (a collective) outside no_collectives
+    prompt = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # tpmap against the unsharded model in the benchmark's dtype, both against fp32
+        exact = full(prompt).logits
+        want, got = (models[n](prompt).logits.float() for n in ("unsharded", "tpmap"))
+        tokens = [models[n].generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+                  for n in ("unsharded", "tpmap")]
+
+    def rel(a, b) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
+    same = torch.equal(*tokens)
     variants = ["unsharded", "tpmap", "floor"]
     times: dict[tuple[str, str], list[float]] = {(t, v): [] for t in tasks for v in variants}
     for round_ in range(args.rounds):
@@ -135,7 +145,10 @@ def main() -> None:
                 if round_ >= 2:
                     times[(task, name)].append(took.item())
     if dist.get_rank() == 0:
-        print(f"Llama 170M, {args.dtype}, ws={ws}: median seconds; x unsharded; tpmap as % of the floor's speed")
+        print(f"Llama 170M, {args.dtype}, ws={ws}: logits max rel tpmap vs unsharded {rel(got, want):.1e}; vs fp32: "
+              f"unsharded {rel(want, exact):.1e}, tpmap {rel(got, exact):.1e}; greedy tokens "
+              f"{'equal' if same else 'DIFFER'} ({NEW_TOKENS} new)")
+        print("median seconds; x unsharded; tpmap as % of the floor's speed")
         for task in tasks:
             med = {v: statistics.median(times[(task, v)]) for v in variants}
             print(f"  {task:12s} unsharded {med['unsharded']:.4f}  tpmap {med['tpmap']:.4f} "
