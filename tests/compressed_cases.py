@@ -106,27 +106,30 @@ def library_dequantized(folder: str, out: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
-def load_compressed(folder: str, reference: str | None = None, dtype: str = "float32") -> dict:
+def load_compressed(folder: str, reference: str | None = None, dtype: str = "float32",
+                    experts: str | None = None) -> dict:
     """tpmap.from_pretrained of the compressed-tensors folder on this rank against tpmap.apply on transformers'
     own decompressed weights: every tensor bit for bit; the logits (rank 0); the bytes this rank read (every run
     on its own: GAP_BYTES 0). With `reference` (folders to write: one per rank): against compressed-tensors' own
-    decompression of the whole tensors instead (for folders transformers cannot load)."""
+    decompression of the whole tensors instead (for folders transformers cannot load). `experts`: the placement
+    of MoE experts, for both; with it, the local size of every parameter too."""
     saved = slice_io.GAP_BYTES
     slice_io.GAP_BYTES = 0
     try:
         with _CountReads() as reads:
-            got = tpmap.from_pretrained(folder, dtype=getattr(torch, dtype))
+            got = tpmap.from_pretrained(folder, dtype=getattr(torch, dtype), experts=experts)
     finally:
         slice_io.GAP_BYTES = saved
     if reference:
         plain = library_dequantized(folder, f"{reference}-{dist.get_rank()}")
     else:
         plain = transformers_dequantized(folder, getattr(torch, dtype))[0]
-    want = tpmap.apply(plain, dist.get_world_size())
+    want = tpmap.apply(plain, dist.get_world_size(), experts=experts)
     with torch.no_grad():
         logits = got(input_ids(got.config.vocab_size)).logits
     return {"differ": _differences(_tensors(want), _tensors(got)), "read": reads.bytes,
             "logits": logits if dist.get_rank() == 0 else None,
+            "numel": {n: p.numel() for n, p in got.named_parameters()},
             "quantization_config": hasattr(got.config, "quantization_config")}
 
 

@@ -116,6 +116,30 @@ def test_compressed_tensors_checkpoint_loads_dequantized(ranks, tmp_path, preset
     assert max(r["read"] for r in results) < (0.7 if world_size == 2 else 0.5) * file_bytes
 
 
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_compressed_experts_dealt_whole_read_only_their_experts(ranks, tmp_path, world_size):
+    """experts='parallel' on a W4A16 Mixtral (int4 weights packed in int32, group scales; stored per expert, stacked
+    by the conversion): each rank decompresses only its whole experts (4 at 3: 2/1/1), bit for bit transformers' own
+    decompressed weights sharded the same way, and reads those experts' packed weights and scales alone."""
+    group_size, _ = PRESETS["W4A16"]
+    folder = save(tmp_path / "W4A16", "mixtral", "W4A16", group_size)
+    results = ranks(world_size).run(compressed_cases.load_compressed, str(folder), None, "float32", "parallel")
+    assert [r["differ"] for r in results] == [[]] * world_size
+    plain, _ = compressed_cases.transformers_dequantized(str(folder))
+    with torch.no_grad():
+        dense = plain(compressed_cases.input_ids(plain.config.vocab_size)).logits
+    assert _relative(results[0]["logits"], dense) < 1e-4
+    experts = plain.model.layers[0].mlp.experts.gate_up_proj
+    held = [r["numel"]["model.layers.0.mlp.experts.gate_up_proj"] // experts[0].numel() for r in results]
+    assert held == ([2, 2] if world_size == 2 else [2, 1, 1]), held
+    stored = load_file(folder / "model.safetensors")
+    expert_bytes = [sum(t.numel() * t.element_size() for n, t in stored.items() if f".experts.{e}." in n)
+                    for e in range(4)]
+    other = sum(t.numel() * t.element_size() for t in stored.values()) - sum(expert_bytes)
+    for r, n in zip(results, held):  # this rank's experts (packed weights and scales) and at most all the rest
+        assert r["read"] <= n * max(expert_bytes) + other, (r["read"], n, expert_bytes, other)
+
+
 @pytest.mark.parametrize(("family", "preset", "scales", "dtype"), [
     ("llama", "W8A8", "float32", "bfloat16"),
     ("llama", "W4A16", "bfloat16", "float32"),
