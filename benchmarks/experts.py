@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import tempfile
-import time
-import warnings
 
 import torch
 import torch.distributed as dist
 import transformers
+from interleaved import decode, forward, start, timed, tokens, train
 
 import tpmap
 
@@ -45,27 +43,8 @@ SHAPES = {
 }
 
 
-def forward(model, shape) -> None:
-    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        model(ids)
-
-
-def decode(model) -> None:
-    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
-    model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-
-
-def train(model) -> None:
-    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
-    model.train()
-    model(ids, labels=ids).loss.backward()
-    model.zero_grad(set_to_none=True)
-    model.eval()
-
-
-TASKS = {"fwd 1x8": lambda m: forward(m, (1, 8)), "fwd 4x128": lambda m: forward(m, (4, 128)),
-         "decode 16": decode, "train 2x128": train}
+TASKS = {"fwd 1x8": lambda m: forward(m, VOCAB, (1, 8)), "fwd 4x128": lambda m: forward(m, VOCAB, (4, 128)),
+         "decode 16": lambda m: decode(m, VOCAB, 16), "train 2x128": lambda m: train(m, VOCAB)}
 
 
 def hf_expert_parallel(cls, full, ws: int):
@@ -78,7 +57,7 @@ def hf_expert_parallel(cls, full, ws: int):
     try:
         config = transformers.DistributedConfig(tp_size=ws, ep_size=ws)
         model = cls.from_pretrained(folder[0], distributed_config=config).eval()
-        forward(model, (1, 8))  # runs at all?
+        forward(model, VOCAB, (1, 8))  # runs at all?
         return model
     except Exception as e:  # reported beside the table: HF's EP on CPU is one of the things measured
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -89,10 +68,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="mixtral")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
+    ws = start()
     model_type, cls_name, shape = SHAPES[args.shape]
     cls = getattr(transformers, cls_name)
     config = transformers.AutoConfig.for_model(model_type, **COMMON, **shape)
@@ -104,30 +80,18 @@ def main() -> None:
     hf = hf_expert_parallel(cls, full, ws)
     if not isinstance(hf, str):
         models["hf_ep"] = hf
-    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    ids = tokens(VOCAB, (2, 32), seed=2)
     with torch.no_grad():  # each variant's logits against the unsharded model's: a fast wrong layout is no result
         want = full(ids).logits
         rel = {name: ((m(ids).logits - want).abs().max() / want.abs().max()).item() for name, m in models.items()}
-    times: dict[tuple[str, str], list[float]] = {(t, v): [] for t in TASKS for v in models}
-    for round_ in range(args.rounds):
-        for task, run in TASKS.items():
-            names = list(models)
-            k = round_ % len(names)
-            for name in names[k:] + names[:k]:
-                dist.barrier()
-                start = time.perf_counter()
-                run(models[name])
-                took = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's
-                if round_ >= 2:
-                    times[(task, name)].append(took.item())
+    med = timed({task: (lambda name, run=run: run(models[name])) for task, run in TASKS.items()}, list(models),
+                args.rounds)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in full.parameters()) / 1e6
         print(f"{args.shape} ({params:.0f}M parameters) ws={ws}, seconds (x unsharded):")
         for task in TASKS:
-            base = statistics.median(times[(task, "unsharded")])
-            print(f"  {task:12s}", "  ".join(f"{name} {statistics.median(times[(task, name)]):.4f} "
-                                             f"({statistics.median(times[(task, name)]) / base:.2f})"
+            print(f"  {task:12s}", "  ".join(f"{name} {med[(task, name)]:.4f} "
+                                             f"({med[(task, name)] / med[(task, 'unsharded')]:.2f})"
                                              for name in models))
         print("  logits vs unsharded (max rel):", "  ".join(f"{name} {r:.1e}" for name, r in rel.items()))
         if isinstance(hf, str):

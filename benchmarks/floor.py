@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
-import time
-import warnings
 
 import torch
 import torch.distributed as dist
 import transformers
+from interleaved import decode, forward, start, timed, tokens, train
 
 import tpmap
 from tpmap.engine import shm as shm_path
@@ -78,83 +76,53 @@ def no_collectives():
             setattr(module, name, real)
 
 
-def forward(model, shape) -> None:
-    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        model(ids)
-
-
-def decode(model) -> None:
-    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
-    model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-
-
-def train(model, autocast: bool) -> None:
-    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(1))
-    model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(ids, labels=ids).loss
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    model.eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    ws = dist.get_world_size()
+    ws = start()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     full = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     trained = {"unsharded": full, "tpmap": tpmap.apply(copy.deepcopy(full), ws).eval()}  # fp32 weights: training
     models = {name: copy.deepcopy(m).to(dtype) for name, m in trained.items()}  # forward and decode in `dtype`
     bf16 = dtype == torch.bfloat16
-    tasks = {"fwd 1x8": (lambda m: forward(m, (1, 8)), models), "fwd 4x128": (lambda m: forward(m, (4, 128)), models),
-             f"decode {NEW_TOKENS}": (decode, models), "train 2x128": (lambda m: train(m, bf16), trained)}
-    forward(models["tpmap"], (1, 8))  # the group's collective path chosen (a collective) outside no_collectives
-    prompt = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    tasks = {"fwd 1x8": (lambda m: forward(m, VOCAB, (1, 8)), models),
+             "fwd 4x128": (lambda m: forward(m, VOCAB, (4, 128)), models),
+             f"decode {NEW_TOKENS}": (lambda m: decode(m, VOCAB, NEW_TOKENS), models),
+             "train 2x128": (lambda m: train(m, VOCAB, bf16), trained)}
+    forward(models["tpmap"], VOCAB, (1, 8))  # the group's collective path chosen (a collective) outside the floor
+    prompt = tokens(VOCAB, (1, 16), seed=3)
     with torch.no_grad():  # tpmap against the unsharded model in the benchmark's dtype, both against fp32
         exact = full(prompt).logits
         want, got = (models[n](prompt).logits.float() for n in ("unsharded", "tpmap"))
-        tokens = [models[n].generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        greedy = [models[n].generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
                   for n in ("unsharded", "tpmap")]
 
     def rel(a, b) -> float:
         return ((a - b).abs().max() / b.abs().max()).item()
-    same = torch.equal(*tokens)
+    same = torch.equal(*greedy)
+    def run(task: str, name: str) -> None:
+        work, pool = tasks[task]
+        if name == "floor":
+            with no_collectives():
+                work(pool["tpmap"])
+        else:
+            work(pool[name])
+
     variants = ["unsharded", "tpmap", "floor"]
-    times: dict[tuple[str, str], list[float]] = {(t, v): [] for t in tasks for v in variants}
-    for round_ in range(args.rounds):
-        for task, (run, pool) in tasks.items():
-            k = round_ % len(variants)
-            for name in variants[k:] + variants[:k]:
-                dist.barrier()
-                start = time.perf_counter()
-                if name == "floor":
-                    with no_collectives():
-                        run(pool["tpmap"])
-                else:
-                    run(pool[name])
-                took = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's
-                if round_ >= 2:
-                    times[(task, name)].append(took.item())
+    med = timed({task: (lambda name, task=task: run(task, name)) for task in tasks}, variants, args.rounds)
     if dist.get_rank() == 0:
         print(f"Llama 170M, {args.dtype}, ws={ws}: logits max rel tpmap vs unsharded {rel(got, want):.1e}; vs fp32: "
               f"unsharded {rel(want, exact):.1e}, tpmap {rel(got, exact):.1e}; greedy tokens "
               f"{'equal' if same else 'DIFFER'} ({NEW_TOKENS} new)")
         print("median seconds; x unsharded; tpmap as % of the floor's speed")
         for task in tasks:
-            med = {v: statistics.median(times[(task, v)]) for v in variants}
-            print(f"  {task:12s} unsharded {med['unsharded']:.4f}  tpmap {med['tpmap']:.4f} "
-                  f"({med['tpmap'] / med['unsharded']:.2f}x)  floor {med['floor']:.4f} "
-                  f"({med['floor'] / med['unsharded']:.2f}x)  tpmap at {100 * med['floor'] / med['tpmap']:.0f}% "
-                  "of the floor")
+            t = {v: med[(task, v)] for v in variants}
+            print(f"  {task:12s} unsharded {t['unsharded']:.4f}  tpmap {t['tpmap']:.4f} "
+                  f"({t['tpmap'] / t['unsharded']:.2f}x)  floor {t['floor']:.4f} "
+                  f"({t['floor'] / t['unsharded']:.2f}x)  tpmap at {100 * t['floor'] / t['tpmap']:.0f}% of the floor")
     dist.destroy_process_group()
 
 

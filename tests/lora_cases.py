@@ -283,24 +283,28 @@ def transformers_class(name: str):
     return getattr(transformers, name)
 
 
-def expert_target_case() -> dict:
-    """LoRA aimed at MoE expert tensors that a Param entry splits in a layout tpmap.peft does not split adapters
-    for (DBRX's experts stacked as 2-D (E * I, H), split along dim 0 in E sections): refused, naming the tensor,
-    and the model left as it was."""
-    sharded = tpmap.apply(verify.build_model("dbrx", 0, "DbrxForCausalLM"), dist.get_world_size())
-
+def _refused(sharded, config) -> dict:
+    """tpmap.peft.get_peft_model(sharded, config) expected to raise NotImplementedError: its message (None if it
+    did not raise) and whether the model was left as it was (modules, requires_grad, no peft_config)."""
     def state():
         return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
                 [(n, p.requires_grad) for n, p in sharded.named_parameters()], "peft_config" in vars(sharded))
 
     before = state()
     try:
-        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["out_proj"],
-                                                      target_parameters=["ffn.experts.mlp.w1"]))
+        tpmap.peft.get_peft_model(sharded, config)
         message = None
     except NotImplementedError as e:
         message = str(e)
     return {"message": message, "untouched": state() == before}
+
+
+def expert_target_case() -> dict:
+    """LoRA aimed at MoE expert tensors that a Param entry splits in a layout tpmap.peft does not split adapters
+    for (DBRX's experts stacked as 2-D (E * I, H), split along dim 0 in E sections): refused, naming the tensor,
+    and the model left as it was."""
+    sharded = tpmap.apply(verify.build_model("dbrx", 0, "DbrxForCausalLM"), dist.get_world_size())
+    return _refused(sharded, LoraConfig(r=4, target_modules=["out_proj"], target_parameters=["ffn.experts.mlp.w1"]))
 
 
 def parallel_experts_target_case() -> dict:
@@ -308,19 +312,8 @@ def parallel_experts_target_case() -> dict:
     to the ranks): refused, naming the tensor and experts='split', and the model left as it was."""
     sharded = tpmap.apply(verify.build_model("mixtral", 0, "MixtralForCausalLM"), dist.get_world_size(),
                           experts="parallel")
-
-    def state():
-        return ([(n, type(m).__name__) for n, m in sharded.named_modules()],
-                [(n, p.requires_grad) for n, p in sharded.named_parameters()], "peft_config" in vars(sharded))
-
-    before = state()
-    try:
-        tpmap.peft.get_peft_model(sharded, LoraConfig(r=4, target_modules=["q_proj"],
-                                                      target_parameters=["mlp.experts.gate_up_proj"]))
-        message = None
-    except NotImplementedError as e:
-        message = str(e)
-    return {"message": message, "untouched": state() == before}
+    return _refused(sharded, LoraConfig(r=4, target_modules=["q_proj"],
+                                        target_parameters=["mlp.experts.gate_up_proj"]))
 
 
 def dp_tp_lora_case(wrap: str = "ddp", steps: int = 2) -> dict:
