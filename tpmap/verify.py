@@ -444,11 +444,13 @@ def cases(refs, world_sizes=None) -> list[Case]:
 def other_placements(ref: str, verify_index: int) -> list[str]:
     """The experts placements other than the default that verify config `verify_index` offers: the mapping's own
     entries', and for a mapping that composes others its parts' too, read with the config (a vision-language model
-    whose language model places experts both ways)."""
+    whose language model places experts both ways). A composing mapping whose `transformers` range excludes the
+    installed release offers its own entries' only: its config may not exist there (its cases are skipped)."""
+    from tpmap.compat import mapping_applies
     from tpmap.language import compose
 
     loaded = resolve(ref)
-    if loaded.mapping.compose:
+    if loaded.mapping.compose and mapping_applies(loaded.mapping.transformers):
         default, offered = compose.placements(loaded, tiny_config(ref, verify_index))
     else:
         default, offered = loaded.mapping.experts, {e.experts for e in loaded.mapping.entries if e.experts}
