@@ -36,6 +36,19 @@ def test_whole_experts_per_rank_are_exact(ranks, world_size, config):
         assert max(r["rels"].values()) < 1e-9, r
 
 
+@pytest.mark.parametrize("placement", ["parallel", pytest.param("split", marks=pytest.mark.full)])
+def test_the_load_balancing_loss_and_the_routers_gradients_equal_the_unsharded_models(ranks, placement):
+    """The auxiliary loss reads every router's logits, which every rank computes alike (the routers stay whole): the
+    loss, the auxiliary loss and each router's gradient equal the unsharded model's in fp64 (coefficient 0.5, so
+    that the auxiliary term weighs in the routers' gradients), the router's own float32 softmax aside."""
+    for r in ranks(2).run(expert_parallel_cases.aux_loss, placement):
+        (want, got), (loss, loss_got) = r["aux"], r["loss"]
+        assert want > 0 and abs(got - want) <= 1e-12 * want, r
+        assert abs(loss_got - loss) <= 1e-12 * loss, r
+        # Mixtral's router takes its softmax in float32 (router_logits.float()) whatever the dtype: float32 rounding
+        assert r["routers"] == 2 and r["router_rel"] < 1e-6, r  # (8e-8 measured); a lost reduction is O(1)
+
+
 def _mixtral(**config):
     tiny = source.for_model_type("mixtral").mapping.verify[0].config
     config = transformers.AutoConfig.for_model("mixtral", **{**tiny, **config})
