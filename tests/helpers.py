@@ -121,3 +121,14 @@ def load_with_head_negated(monkeypatch, owner) -> None:
             model.lm_head.weight.mul_(-1)
         return model
     monkeypatch.setattr(owner, "from_pretrained", perturbed)
+
+
+def expert_bytes(file: Path, experts: int) -> tuple[list[int], int]:
+    """(the bytes each expert's tensors take in a safetensors file that stores experts one tensor per expert
+    ("...experts.<e>...": weights, scales), the bytes of everything else)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(file)
+    per_expert = [sum(t.numel() * t.element_size() for n, t in stored.items() if f".experts.{e}." in n)
+                  for e in range(experts)]
+    return per_expert, sum(t.numel() * t.element_size() for t in stored.values()) - sum(per_expert)

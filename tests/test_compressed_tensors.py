@@ -18,6 +18,7 @@ from pathlib import Path
 import compressed_cases
 import pytest
 import torch
+from helpers import expert_bytes
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,12 +133,9 @@ def test_compressed_experts_dealt_whole_read_only_their_experts(ranks, tmp_path,
     experts = plain.model.layers[0].mlp.experts.gate_up_proj
     held = [r["numel"]["model.layers.0.mlp.experts.gate_up_proj"] // experts[0].numel() for r in results]
     assert held == ([2, 2] if world_size == 2 else [2, 1, 1]), held
-    stored = load_file(folder / "model.safetensors")
-    expert_bytes = [sum(t.numel() * t.element_size() for n, t in stored.items() if f".experts.{e}." in n)
-                    for e in range(4)]
-    other = sum(t.numel() * t.element_size() for t in stored.values()) - sum(expert_bytes)
+    expert_sizes, other = expert_bytes(folder / "model.safetensors", 4)
     for r, n in zip(results, held):  # this rank's experts (packed weights and scales) and at most all the rest
-        assert r["read"] <= n * max(expert_bytes) + other, (r["read"], n, expert_bytes, other)
+        assert r["read"] <= n * max(expert_sizes) + other, (r["read"], n, expert_sizes, other)
 
 
 @pytest.mark.parametrize(("family", "preset", "scales", "dtype"), [

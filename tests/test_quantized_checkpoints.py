@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import quantized_cases
 import torch
+from helpers import expert_bytes
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
@@ -164,12 +165,9 @@ def test_fp8_experts_dealt_whole_read_only_their_experts_and_scales(ranks, tmp_p
     assert ((results[0]["logits"] - want).abs().max() / want.abs().max()).item() < 1e-4
     held = [r["numel"]["model.layers.0.mlp.experts.gate_up_proj"] // (2 * 96 * 64) for r in results]
     assert held == ([2, 2] if world_size == 2 else [2, 1, 1]), held  # whole experts: E_r x 2I x H
-    stored = load_file(folder / "model.safetensors")
-    expert_bytes = [sum(t.numel() * t.element_size() for n, t in stored.items() if f".experts.{e}." in n)
-                    for e in range(4)]
-    other = sum(t.numel() * t.element_size() for t in stored.values()) - sum(expert_bytes)
+    expert_sizes, other = expert_bytes(folder / "model.safetensors", 4)
     for r, experts in zip(results, held):  # this rank's experts (weights and scales) and at most all the rest
-        assert r["read"] <= experts * expert_bytes[0] + other, (r["read"], experts, expert_bytes, other)
+        assert r["read"] <= experts * expert_sizes[0] + other, (r["read"], experts, expert_sizes, other)
 
 
 def test_fp8_in_bfloat16_equals_the_reference_cast(ranks, tmp_path):

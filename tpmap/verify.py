@@ -49,9 +49,12 @@ def resolve(ref: str):
 
 def tiny_config(ref: str, verify_index: int = 0):
     """The embedded tiny config number `verify_index` of a mapping (model type or YAML path)."""
+    return _config_of(resolve(ref).mapping, verify_index)
+
+
+def _config_of(mapping, verify_index: int):
     from transformers import AutoConfig
 
-    mapping = resolve(ref).mapping
     return AutoConfig.for_model(mapping.model_type, **mapping.verify[verify_index].config)
 
 
@@ -425,8 +428,9 @@ def cases(refs, world_sizes=None) -> list[Case]:
     """Every (config, class, world size) case of the mappings `refs` (model types or YAML paths)."""
     out = []
     for ref in refs:
-        mapping = resolve(ref).mapping
-        others = {i: other_placements(ref, i) for i in range(len(mapping.verify))}
+        loaded = resolve(ref)
+        mapping = loaded.mapping
+        others = {i: other_placements(ref, i, loaded) for i in range(len(mapping.verify))}
         for placement in [None] + sorted(set().union(*others.values())):
             placed, suffix = (ref, "") if placement is None else (f"{ref}{PLACEMENT}{placement}", f" [{placement}]")
             for i, spec in enumerate(mapping.verify):
@@ -441,17 +445,18 @@ def cases(refs, world_sizes=None) -> list[Case]:
     return out
 
 
-def other_placements(ref: str, verify_index: int) -> list[str]:
+def other_placements(ref: str, verify_index: int, loaded=None) -> list[str]:
     """The experts placements other than the default that verify config `verify_index` offers: the mapping's own
     entries', and for a mapping that composes others its parts' too, read with the config (a vision-language model
     whose language model places experts both ways). A composing mapping whose `transformers` range excludes the
-    installed release offers its own entries' only: its config may not exist there (its cases are skipped)."""
+    installed release offers its own entries' only: its config may not exist there (its cases are skipped).
+    `loaded`: `resolve(ref)`, where the caller holds it already."""
     from tpmap.compat import mapping_applies
     from tpmap.language import compose
 
-    loaded = resolve(ref)
+    loaded = loaded or resolve(ref)
     if loaded.mapping.compose and mapping_applies(loaded.mapping.transformers):
-        default, offered = compose.placements(loaded, tiny_config(ref, verify_index))
+        default, offered = compose.placements(loaded, _config_of(loaded.mapping, verify_index))
     else:
         default, offered = loaded.mapping.experts, {e.experts for e in loaded.mapping.entries if e.experts}
     return sorted(offered - {default})

@@ -91,10 +91,14 @@ def expand(loaded: MappingFile, config, submodel: SubModels, names: Sequence[str
 
 def _absent(item: Compose, config, submodel: SubModels) -> bool:
     """Whether an `optional` compose item's sub-model is absent: no sub-config at its path and no module."""
-    sub_config = config
+    return _sub_config(config, item) is None and submodel(item.module) is None
+
+
+def _sub_config(config, item: Compose):
+    """The config at a compose item's `config` path (text_config, audio_config.asr_config), or None."""
     for name in item.config.split("."):
-        sub_config = getattr(sub_config, name, None)
-    return sub_config is None and submodel(item.module) is None
+        config = getattr(config, name, None)
+    return config
 
 
 def _part(loaded: MappingFile, k: int, item: Compose, config, submodel: SubModels, names: Sequence[str],
@@ -173,9 +177,7 @@ def placements(loaded: MappingFile, config, _depth: int = 0) -> tuple[str | None
     offered = {e.experts for e in mapping.entries if e.experts is not None}
     defaults = set()
     for k, item in enumerate(mapping.compose if _depth <= MAX_DEPTH else ()):
-        sub_config = config
-        for name in item.config.split("."):
-            sub_config = getattr(sub_config, name, None)
+        sub_config = _sub_config(config, item)
         if sub_config is None or not hasattr(sub_config, "model_type"):
             continue
         try:
