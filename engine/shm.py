@@ -12,6 +12,8 @@ number, waits until every peer has posted it, and reads the peers' slots directl
 * **Sums in rank order.** Every rank computes ((slot 0 + slot 1) + slot 2) + ... for every element, so all
   ranks hold bit-identical results. At world size 2 that is gloo's result bit for bit (a + b == b + a); at
   3 and more, gloo's ring adds in another order, so results differ from gloo's by float rounding only.
+  bf16 and fp16 sums of 3 or more slots accumulate in float32 and round once (`_sum_into`), as the unsharded
+  matmul accumulates its products; gloo rounds after every add.
 * **Double buffering.** Collective s writes buffer s % 2. A rank posts s only after finishing s - 1, and
   reaches s only after every peer posted s - 1, i.e. finished reading s - 2 = the buffer it now overwrites.
   Messages larger than a slot go in slot-sized chunks, one sequence number each.
@@ -236,10 +238,7 @@ class ShmGroup:
         with self._lock:
             for i in range(0, flat.numel(), step):
                 out = flat if step >= flat.numel() else flat[i : i + step]
-                slots = self._exchange(out)
-                torch.add(slots[0], slots[1], out=out)
-                for s in slots[2:]:
-                    out.add_(s)
+                _sum_into(out, self._exchange(out))
         return t
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -276,11 +275,26 @@ class ShmGroup:
                 part = rows[:, i : i + step].contiguous()  # (group_size, k): chunk i of every destination
                 k = part.shape[1]
                 mine = [s.view(self.group_size, k)[self.rank] for s in self._exchange(part.view(-1))]
-                target = dst[i : i + k]
-                torch.add(mine[0], mine[1], out=target)
-                for s in mine[2:]:
-                    target.add_(s)
+                _sum_into(dst[i : i + k], mine)
         return out
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """out <- ((parts[0] + parts[1]) + parts[2]) + ..., elementwise. bf16 and fp16 sums of 3 or more parts are
+    accumulated in float32 and rounded once, as a matmul accumulates its products: the all-reduce adds one rounding
+    to the ranks' partial sums, not group_size - 1 (with 2 parts a half-precision add is that already)."""
+    if out.dtype in HALF and len(parts) > 2:
+        acc = parts[0].float()  # (n,) float32
+        for p in parts[1:]:
+            acc.add_(p)
+        return out.copy_(acc)
+    torch.add(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        out.add_(p)
+    return out
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> ShmGroup | None (first use)

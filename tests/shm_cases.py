@@ -28,7 +28,13 @@ def main(rank: int, ws: int, port: int, scenario: str, env: dict, queue) -> None
 
 
 def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The oracle: ((x0 + x1) + x2) + ..., elementwise, what the shared-memory all-reduce promises."""
+    """The oracle: ((x0 + x1) + x2) + ..., elementwise, what the shared-memory all-reduce promises; bf16 parts are
+    added in float32 and the sum rounded to bf16 once."""
+    if parts[0].dtype == torch.bfloat16:
+        acc = parts[0].float()
+        for p in parts[1:]:
+            acc = acc + p.float()
+        return acc.to(torch.bfloat16)
     out = parts[0].clone()
     for p in parts[1:]:
         out = out + p
