@@ -5,13 +5,16 @@ rank shards the model on the CPU with tpmap.apply, moves it to the GPU, and comp
 unsharded model on the GPU: forward, gradients (replicated KV heads at world size 4), greedy generate,
 and train-mode dropout (the CUDA generator is swapped in sharded regions). Also times forwards.
 
-    python benchmarks/gpu_check.py [--world-sizes 2 4]     # prints one line per case, then a verdict
-    python benchmarks/gpu_check.py --symm-mem              # needs one GPU per rank (2 or more)
+    python benchmarks/gpu_check.py [--world-sizes 2 4]     # everything below, then the GPU table and a verdict
+    python benchmarks/gpu_check.py --correctness-only      # the cases only (one GPU is enough)
+    python benchmarks/gpu_check.py --symm-mem              # the NCCL part only (one GPU per rank, 2 or more)
 
-`--symm-mem` compares NCCL with the opt-in symmetric-memory all-reduce (engine.symm_mem, TPMAP_SYMM_MEM=1)
-on NCCL ranks, one GPU each: the latency of one all-reduce per message size and dtype, whether every rank
-holds the same bits and how far they are from NCCL's sum, and a sharded Llama's logits and greedy tokens
-with the switch on against off.
+The NCCL part (every world size with a GPU per rank) compares NCCL with the opt-in symmetric-memory all-reduce
+(engine.symm_mem, TPMAP_SYMM_MEM=1) on NCCL ranks, one GPU each: the latency of one all-reduce per message size
+and dtype, whether every rank holds the same bits and how far they are from NCCL's sum, a sharded Llama's logits
+and greedy tokens with the switch on against off, and the GPU table: latency.py's 170 M Llama shape in bf16,
+forward (1, 8) and (4, 128) and greedy decode tokens/s, unsharded (one GPU per rank, each its own copy) against
+tpmap on NCCL and on symmetric memory (the slowest rank's time, medians of 10 after 3 warm-up).
 """
 from __future__ import annotations
 
@@ -151,10 +154,86 @@ def rank_symm_mem(sizes_kib: list[int]) -> dict:
                            model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0))
     os.environ["TPMAP_SYMM_MEM"] = "0"
     logits_rel = ((out["1"][0] - out["0"][0]).abs().max() / out["0"][0].abs().max()).item()
-    return {"rows": rows, "logits_rel": logits_rel, "same_tokens": torch.equal(out["0"][1], out["1"][1])}
+    return {"rows": rows, "logits_rel": logits_rel, "same_tokens": torch.equal(out["0"][1], out["1"][1]),
+            "table": _speed_table(device, ws)}
 
 
-def check_symm_mem(world_sizes: list[int]) -> int:
+BENCH = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+             intermediate_size=2048, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+NEW_TOKENS = 32
+
+
+def _slowest(fn, device, rounds: int = 10, warmup: int = 3) -> float:
+    """The median over `rounds` of fn's time on the slowest rank (CUDA synchronized around each call; the same code
+    runs on CPU ranks, where it can be tried without a GPU)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + rounds):
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        took = torch.tensor([time.perf_counter() - t0], device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(took.item())
+    return statistics.median(times)
+
+
+def _speed_table(device, ws: int) -> dict:
+    """{task: {variant: seconds}}: the bench Llama in bf16, unsharded on every rank's GPU and tpmap on NCCL, then
+    with TPMAP_SYMM_MEM=1."""
+    import os
+
+    import transformers
+
+    import tpmap
+
+    torch.manual_seed(0)
+    cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH)).eval()
+    full = copy.deepcopy(cpu_model).to(device, torch.bfloat16)
+    sharded = tpmap.apply(cpu_model, ws).to(device, torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = {shape: torch.randint(0, BENCH["vocab_size"], shape, generator=gen).to(device)
+              for shape in ((1, 8), (4, 128), (1, 16))}
+    tasks = {"forward 1x8": lambda m: m(inputs[(1, 8)]), "forward 4x128": lambda m: m(inputs[(4, 128)]),
+             f"decode {NEW_TOKENS} tokens": lambda m: m.generate(inputs[(1, 16)], max_new_tokens=NEW_TOKENS,
+                                                                min_new_tokens=NEW_TOKENS, do_sample=False)}
+    table = {}
+    with torch.no_grad():
+        for task, run in tasks.items():
+            row = table[task] = {}
+            row["unsharded"] = _slowest(lambda run=run: run(full), device)
+            for switch, name in (("0", "tpmap NCCL"), ("1", "tpmap symm-mem")):
+                os.environ["TPMAP_SYMM_MEM"] = switch
+                row[name] = _slowest(lambda run=run: run(sharded), device)
+    os.environ["TPMAP_SYMM_MEM"] = "0"
+    return table
+
+
+def print_table(tables: dict[int, dict]) -> None:
+    """The GPU table, markdown, one row per world size and task."""
+    if not tables:
+        return
+    names = ["unsharded", "tpmap NCCL", "tpmap symm-mem"]
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"\n{where}, bf16, latency.py's 170 M Llama shape, medians, slowest rank")
+    print("| ws | task | " + " | ".join(names) + " | NCCL / unsharded | symm-mem / unsharded |")
+    print("|---|---|" + "---|" * (len(names) + 2))
+    for ws, table in tables.items():
+        for task, row in table.items():
+            print(f"| {ws} | {task} | " + " | ".join(f"{1e3 * row[n]:.2f} ms" for n in names)
+                  + f" | {row['tpmap NCCL'] / row['unsharded']:.2f} | {row['tpmap symm-mem'] / row['unsharded']:.2f} |")
+
+
+def check_symm_mem(world_sizes: list[int], tables: dict[int, dict], required: bool) -> int:
+    """The NCCL part at every world size with a GPU per rank; fills `tables` (world size -> the GPU table's rows).
+    Failures counted; finding no such world size is one only where `required` (--symm-mem asked for it)."""
     from tpmap.parallelize.rank_processes import RankFailure, Ranks, Setup, drain
 
     failed = checked = 0
@@ -190,25 +269,36 @@ def check_symm_mem(world_sizes: list[int]) -> int:
         failed += not ok
         print(f"ws{ws} llama logits symm-mem vs NCCL rel {r0['logits_rel']:.1e}, same tokens {r0['same_tokens']}  "
               f"{'ok' if ok else 'FAIL'}", flush=True)
+        tables[ws] = r0["table"]
     if not checked and not failed:
-        print("nothing checked: no world size had a GPU per rank")
-        return 1
+        print("NCCL part: nothing checked, no world size had a GPU per rank", flush=True)
+        return 1 if required else 0
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--symm-mem", action="store_true", help="the NCCL part only (one GPU per rank, 2+ GPUs)")
+    parser.add_argument("--correctness-only", action="store_true", help="the cases only, no NCCL part")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
+    failed, tables = 0, {}
+    if not args.symm_mem:
+        failed += check_cases(args.world_sizes)
+    if not args.correctness_only:
+        failed += check_symm_mem(args.world_sizes, tables, required=args.symm_mem)
+        print_table(tables)
     print(f"{'all ok' if not failed else f'{failed} failed'}")
     return 1 if failed else 0
 
 
-def main() -> int:
+def check_cases(world_sizes: list[int]) -> int:
+    """gpt2, llama and t5 sharded on CUDA tensors (gloo ranks sharing the GPUs) against the unsharded model."""
     from tpmap.parallelize.rank_processes import RankFailure, RankPool
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--symm-mem", action="store_true", help="NCCL against TPMAP_SYMM_MEM=1 (2+ GPUs)")
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
-    if args.symm_mem:
-        return check_symm_mem(args.world_sizes)
     failed = 0
-    for ws in args.world_sizes:
+    for ws in world_sizes:
         with RankPool(ws) as pool:
             for case in CASES:
                 try:
@@ -227,8 +317,7 @@ def main() -> int:
                       f"dropout-agree {all(x['dropout_ranks_agree'] for x in per_rank)} "
                       f"fwd ms full {r['ms_full']:.2f} sharded {r['ms_sharded']:.2f}  {'ok' if ok else 'FAIL'}",
                       flush=True)
-    print(f"{'all ok' if not failed else f'{failed} failed'}")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":
