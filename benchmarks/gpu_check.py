@@ -158,11 +158,6 @@ def rank_symm_mem(sizes_kib: list[int]) -> dict:
             "table": _speed_table(device, ws)}
 
 
-BENCH = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-             intermediate_size=2048, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
-NEW_TOKENS = 32
-
-
 def _slowest(fn, device, rounds: int = 10, warmup: int = 3) -> float:
     """The median over `rounds` of fn's time on the slowest rank (CUDA synchronized around each call; the same code
     runs on CPU ranks, where it can be tried without a GPU)."""
@@ -186,20 +181,21 @@ def _slowest(fn, device, rounds: int = 10, warmup: int = 3) -> float:
 
 
 def _speed_table(device, ws: int) -> dict:
-    """{task: {variant: seconds}}: the bench Llama in bf16, unsharded on every rank's GPU and tpmap on NCCL, then
+    """{task: {variant: seconds}}: floor.py's Llama in bf16, unsharded on every rank's GPU and tpmap on NCCL, then
     with TPMAP_SYMM_MEM=1."""
     import os
 
     import transformers
+    from floor import CONFIG, NEW_TOKENS, VOCAB
 
     import tpmap
 
     torch.manual_seed(0)
-    cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH)).eval()
+    cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     full = copy.deepcopy(cpu_model).to(device, torch.bfloat16)
     sharded = tpmap.apply(cpu_model, ws).to(device, torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
-    inputs = {shape: torch.randint(0, BENCH["vocab_size"], shape, generator=gen).to(device)
+    inputs = {shape: torch.randint(0, VOCAB, shape, generator=gen).to(device)
               for shape in ((1, 8), (4, 128), (1, 16))}
     tasks = {"forward 1x8": lambda m: m(inputs[(1, 8)]), "forward 4x128": lambda m: m(inputs[(4, 128)]),
              f"decode {NEW_TOKENS} tokens": lambda m: m.generate(inputs[(1, 16)], max_new_tokens=NEW_TOKENS,

@@ -40,7 +40,7 @@ from load import MODELS, write_checkpoint
 import tpmap
 
 VARIANTS = ["unsharded", "tpmap", "hf_tp"]
-LABELS = {"unsharded": "unsharded (1 process, 2 threads)", "tpmap": "tpmap", "hf_tp": "HF native TP"}
+LABELS = {"unsharded": "unsharded (1 process, 2 threads)", "hf_tp": "HF native TP"}  # and "tpmap ws N"
 
 
 def _kib(key: str) -> int:
@@ -140,7 +140,7 @@ def table(rows: list[dict], ws: int, args) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base[r["model"]]
-        out.append(f"| {r['model']} | {LABELS[r['variant']] if r['variant'] != 'tpmap' else f'tpmap ws {ws}'} | "
+        out.append(f"| {r['model']} | {LABELS.get(r['variant'], f'tpmap ws {ws}')} | "
                    f"{r['load_s']:.1f} | {r['ready_s']:.1f} | {r['peak_mib']:.0f} | {r['ttft_s']:.2f} | "
                    f"{r['tok_s']:.2f} | "
                    f"{r['tok_s'] / b['tok_s']:.2f} | {'-' if r['variant'] == 'unsharded' else r['same_tokens']} |")
