@@ -13,7 +13,8 @@ A plain section may carry an alignment *unit* as a 4th item, ``(size, None, None
 whole units (``size // unit`` units dealt out as above), so that every rank's width is a multiple of the unit
 (stacked experts: transformers' grouped matmul needs 16-byte-aligned strides, see `aligned`).
 Optionally the dimension is first a run of ``groups`` equal groups, each
-laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads.
+laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads, or, at a world size
+that neither divides them nor is divided by them, by their query heads (`split_groups`).
 
 Result: ``pieces[r]`` = tuple of ``(start, length)`` ranges of the full dimension; the rank's local
 tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1:
@@ -21,6 +22,7 @@ tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from tpmap.language import expr
@@ -165,26 +167,91 @@ def _held_heads(size: int, heads: int, query: int | None, tp_size: int, replicat
 
 
 def split_groups(groups: int, group_width: int, sections, tp_size: int, replicate: bool, fail: Fail,
-                 heads_key: Callable[[int], tuple]) -> tuple[tuple[Pieces, ...], bool]:
-    """Pieces of a dimension of `groups` equal groups, each laid out by `sections`.
+                 heads_key: Callable[[int], tuple],
+                 allow_uneven: bool = False) -> tuple[tuple[Pieces, ...], bool, bool]:
+    """Pieces of a dimension of `groups` equal groups, each laid out by `sections` (Falcon's [kv, q_per_kv + 2, d]).
 
     ``groups % tp_size == 0``: rank r holds groups [r*G/tp_size, (r+1)*G/tp_size) whole (their sections intact).
-    ``tp_size % groups == 0`` (a Column's output only): m = tp_size/G ranks share group r // m, and that
-    group's sections are split over those m ranks (sub-rank r % m), replicating heads as needed.
+    ``tp_size % groups == 0``: m = tp_size/G ranks share group r // m, and that group's sections are split over
+    those m ranks (sub-rank r % m), replicating heads as needed (a Column's output only).
+    Otherwise, with `allow_uneven`: `_groups_by_query_heads`. Returns (pieces per rank, whether any head is held
+    more than once, whether the uneven rule laid it out).
     """
     if groups % tp_size == 0:
         n = groups // tp_size
-        return tuple(((r * n * group_width, n * group_width),) for r in range(tp_size)), False
-    if not (replicate and tp_size % groups == 0):
+        return tuple(((r * n * group_width, n * group_width),) for r in range(tp_size)), False, False
+    if replicate and tp_size % groups == 0 and (
+            not allow_uneven or not any(uneven_at(s, tp_size // groups, replicate) for s in sections)):
+        m = tp_size // groups
+        sub, replicated = split_sections(sections, m, replicate, fail, heads_key)
+        pieces = []
+        for r in range(tp_size):
+            g = r // m
+            pieces.append(merge((g * group_width + s, n) for s, n in sub[r % m]))
+        return tuple(pieces), replicated, False
+    if not allow_uneven or group_query_heads(groups, sections) is None:
         works = [w for w in range(1, 2 * groups + 1) if groups % w == 0 or (replicate and w % groups == 0)]
+        why = "" if not allow_uneven else (" (another world size needs every section of a group to hold the group's "
+                                           "query heads or one head they share, as Falcon's [q_per_kv, 1, 1])")
         raise fail(f"{groups} groups cannot be dealt over world size {tp_size}; world sizes that work: "
-                   f"{', '.join(map(str, works[:8]))}", ("groups",))
-    m = tp_size // groups
-    sub, replicated = split_sections(sections, m, replicate, fail, heads_key)
+                   f"{', '.join(map(str, works[:8]))}{why}", ("groups",))
+    pieces, replicated = _groups_by_query_heads(groups, group_width, sections, tp_size, replicate, fail)
+    return pieces, replicated, True
+
+
+def group_query_heads(groups: int, sections) -> int | None:
+    """Query heads per group of a grouped layout whose sections each hold the group's Q query heads or one head
+    shared by them (Falcon's [q_per_kv, 1, 1]): Q, or None for any other layout."""
+    heads = [parts(s)[1] for s in sections]
+    if None in heads or any(parts(s)[2] is not None for s in sections):
+        return None
+    q = max(heads)
+    return q if all(h in (q, 1) for h in heads) else None
+
+
+def _groups_by_query_heads(groups: int, group_width: int, sections, tp_size: int, replicate: bool,
+                           fail: Fail) -> tuple[tuple[Pieces, ...], bool]:
+    """The uneven rule for groups: the G*Q query heads are split by the balanced rule (`expr.rank_heads`), and
+    each rank holds, for every group its query heads read, that group's one-head sections (its key and value)
+    once per g of its query heads, where g is the gcd of the runs of query heads it holds per group: exactly
+    `expr.rank_heads(G, tp_size, r, query=G*Q)` groups of g query heads each (the layout HF views per rank as
+    (-1, num_heads // num_kv_heads + 2, d) with num_heads = per_rank(G*Q) and num_kv_heads = per_rank(G, G*Q)).
+    E.g. 3 groups of 4 query heads at 2 ranks: 6 query heads each; rank 0 holds group 0 whole and group 1's
+    query heads 0-1 with its key and value, as two groups of 2: [q0 q1 k0 v0 | q2 q3 k0 v0 | q4 q5 k1 v1]."""
+    q = group_query_heads(groups, sections)
+    assert q is not None, sections  # split_groups refuses other layouts
+    total = groups * q
+    offsets, o = [], 0
+    for s in sections:
+        offsets.append(o)
+        o += parts(s)[0]
     pieces = []
     for r in range(tp_size):
-        g = r // m
-        pieces.append(merge((g * group_width + s, n) for s, n in sub[r % m]))
+        queries = expr.rank_heads(total, tp_size, r)
+        if queries is None:
+            raise fail(f"{total} query heads in {groups} groups cannot be split over world size {tp_size}: fewer "
+                       f"heads than ranks; world sizes that work: {', '.join(map(str, range(1, min(total, 8) + 1)))}",
+                       ("groups",))
+        runs: list[list[int]] = []  # [group, first query head within it, length]
+        for j in queries:
+            if runs and runs[-1][0] == j // q:
+                runs[-1][2] += 1
+            else:
+                runs.append([j // q, j % q, 1])
+        g = math.gcd(*(n for _, _, n in runs))
+        ranges = []
+        for group, first, n in runs:
+            for i in range(n // g):
+                for s, off in zip(sections, offsets):
+                    size, heads, _, _ = parts(s)
+                    base = group * group_width + off
+                    head = size // heads
+                    ranges.append((base + (first + i * g) * head, g * head) if heads == q else (base, size))
+        pieces.append(merge(ranges))
+    replicated = sum(n for p in pieces for _, n in p) > groups * group_width  # a one-head section repeated
+    if replicated and not replicate:
+        raise fail(f"{groups} groups cannot be dealt over world size {tp_size}: ranks whose query heads share a "
+                   "group would both hold its one-head sections, and a Row's input cannot", ("groups",))
     return tuple(pieces), replicated
 
 

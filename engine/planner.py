@@ -381,7 +381,15 @@ class Planner:
         if uneven_ok and not grouped and any(split.parts(s)[1] is None and split.parts(s)[3] == 1 for s in uneven):
             raise uneven_refused(ctx, name, uneven_ok, self.tp_size, sections, replicate)
         if grouped:
-            return split.split_groups(groups, group_width, sections, self.tp_size, replicate, fail, heads_key)
+            pieces, replicated, by_query = split.split_groups(groups, group_width, sections, self.tp_size, replicate,
+                                                              fail, heads_key, allow_uneven=True)
+            q = split.group_query_heads(groups, sections)
+            if q is not None:  # for even_world_sizes: the groups and their query heads split evenly, or not
+                self.layouts.append(([(groups * q, groups * q), (groups, groups, groups * q)], replicate))
+            if by_query:  # per_rank(G * Q) query heads and per_rank(G, G * Q) groups on each rank
+                self.uneven.append(name)
+                self.head_sections += [(groups * q, None, ctx.index), (groups, groups * q, ctx.index)]
+            return pieces, replicated
         pieces, replicated = split.split_sections(sections, self.tp_size, replicate, fail, heads_key,
                                                   allow_uneven=True)
         if uneven:

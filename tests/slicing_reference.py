@@ -13,7 +13,11 @@ The rules, for element i of a split dimension of D features at world size ws:
 * groups (Falcon's [kv, q_per_kv + 2, d]): G equal groups, each laid out by the sections. G a multiple
   of ws: rank r holds the groups [r * G / ws, (r + 1) * G / ws) whole. ws a multiple of G: the ranks
   form G consecutive blocks of m = ws / G, block g shares group g, whose sections are split over its m
-  ranks as above (sub-rank r % m);
+  ranks as above (sub-rank r % m). Otherwise (G neither a multiple nor a divisor of ws, or a shared group whose
+  heads its m ranks do not split evenly), each section of a group holds its Q query heads or one head: the
+  G * Q query heads are split by the head rule, and rank r holds, group by group, c / g copies of each group it
+  reads c query heads of (g the gcd of those counts), each copy its next g query heads and the one-head sections
+  whole (Falcon's layout at an uneven world size: the key and value repeated as HF's view pairs them);
 * vocabulary: ceil(V / ws) rows per rank, rank r holds rows [r * ceil(V / ws), ...) that exist; every
   rank's local tensor is padded with zero rows to ceil(V / ws).
 * uneven (a plain dim or H heads that ws does not divide, H > ws): item i (a feature, or a head) belongs to
@@ -134,7 +138,44 @@ def _held(layout: Layout, ws: int, rank: int) -> tuple[int, ...]:
     return tuple(_decide(layout, ws, rank))
 
 
+def groups_by_query(layout: Layout, ws: int) -> bool:
+    """Whether the groups follow the uneven groups rule: G neither a multiple of ws nor (with every head count of
+    a group splitting evenly over the m = ws / G ranks sharing it) a divisor of it."""
+    g_count = layout.groups or 1
+    if g_count == 1 or g_count % ws == 0:
+        return False
+    return ws % g_count != 0 or any(h is not None and h % (ws // g_count) and (ws // g_count) % h
+                                    for _, h, *_ in layout.sections)
+
+
+def _decide_by_query(layout: Layout, ws: int, rank: int) -> list[int]:
+    """Uneven groups: the G * Q query heads (Q the most heads of a group's sections) split by the head rule; for
+    each group, in order, with c of its query heads on this rank starting at its query head f, and g the gcd of
+    those counts over the groups: c / g copies of the group, copy i holding query heads f + i*g .. f + i*g + g - 1
+    of its Q-head sections and the whole of its one-head sections."""
+    g_count, unit = layout.groups, layout.size // layout.groups
+    q = max(h for _, h, *_ in layout.sections)
+    mine = [j for j in range(g_count * q) if rank in _head_owners(j, g_count * q, ws)]
+    counts = {j // q: sum(1 for k in mine if k // q == j // q) for j in mine}
+    firsts = {group: min(j for j in mine if j // q == group) - group * q for group in counts}
+    g = 0
+    for c in counts.values():
+        g = math.gcd(g, c)
+    out = []
+    for group in sorted(counts):
+        for copy in range(counts[group] // g):
+            at = group * unit
+            for size, heads, *_ in layout.sections:
+                width = size // heads
+                first = firsts[group] + copy * g
+                out += range(at + first * width, at + (first + g) * width) if heads == q else range(at, at + size)
+                at += size
+    return out
+
+
 def _decide(layout: Layout, ws: int, rank: int) -> list[int]:
+    if groups_by_query(layout, ws):
+        return _decide_by_query(layout, ws, rank)
     ones = [i for i in range(layout.size) if rank in owners(layout, ws, i)]
     if layout.vocab or (layout.groups or 1) > 1 or not any(len(s) > 2 and s[2] is not None for s in layout.sections):
         return ones

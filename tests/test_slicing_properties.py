@@ -70,11 +70,22 @@ def split_dims(draw):
         pieces, replicated = split_sections(layout, ws, replicate, _fail, lambda k: ())
         size = sum(s for s, _ in layout)
         return ws, pieces, replicated, None, size, ref.Layout(size, tuple(layout))
+    if replicate and ws > 1 and draw(st.booleans()):  # uneven groups: [Q query heads | one-head sections]
+        q, head = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+        groups = draw(st.sampled_from([g for g in range(2, 2 * ws + 1) if g * q >= ws and g % ws
+                                       and (ws % g or (q % (ws // g) and (ws // g) % q))] or [2 * ws + 1]))
+        layout = [(q * head, q)] + [(head, 1)] * draw(st.integers(0, 2))
+        group_size = sum(s for s, _ in layout)
+        pieces, replicated, by_query = split_groups(groups, group_size, layout, ws, True, _fail, lambda k: (),
+                                                    allow_uneven=True)
+        assert by_query
+        return ws, pieces, replicated, None, groups * group_size, ref.Layout(groups * group_size, tuple(layout),
+                                                                              groups)
     choices = [g for g in range(1, 2 * ws + 1) if g % ws == 0 or (replicate and ws % g == 0)]
     groups = draw(st.sampled_from(choices))
     layout = draw(sections(ws // groups if groups < ws else 1, replicate))  # a shared group splits its sections
     group_size = sum(s for s, _ in layout)
-    pieces, replicated = split_groups(groups, group_size, layout, ws, replicate, _fail, lambda k: ())
+    pieces, replicated, _ = split_groups(groups, group_size, layout, ws, replicate, _fail, lambda k: ())
     size = groups * group_size
     return ws, pieces, replicated, None, size, ref.Layout(size, tuple(layout), groups)
 
@@ -136,7 +147,7 @@ def test_replicated_kv_heads_are_the_reference_heads(heads, ws):
     for r in range(ws):
         assert [i for s, n in pieces[r] for i in range(s, s + n)] == ref.held(ref.Layout(size, layout), ws, r), r
     for groups, ws_ in ((2, 4), (1, 4), (3, 6)):  # a shared group (Falcon) splits its sections, replicating
-        pieces, _ = split_groups(groups, 8, [(4, 2), (2, 1), (2, 1)], ws_, True, _fail, lambda k: ())
+        pieces, _, _ = split_groups(groups, 8, [(4, 2), (2, 1), (2, 1)], ws_, True, _fail, lambda k: ())
         layout = ref.Layout(groups * 8, ((4, 2), (2, 1), (2, 1)), groups)
         assert [[i for s, n in p for i in range(s, s + n)] for p in pieces] == [
             ref.held(layout, ws_, r) for r in range(ws_)], (groups, ws_)
@@ -161,15 +172,18 @@ def test_every_ranks_slice_gathered_back_is_the_tensor(case):
 @SETTINGS
 @given(shards())
 def test_the_pieces_tile_the_split_dim(case):
-    shard, ws, _ = case
+    shard, ws, split = case
     assume(not shard.partial)
     size = shard.full_shape[shard.dim]
     held = [0] * size
+    by_query = ref.groups_by_query(split.layout, ws)  # uneven groups: a shared head repeated, ranks unequal
     for r in range(ws):
         for i in shard.indices(r):
             held[i] += 1
-        assert len(set(shard.indices(r))) == len(shard.indices(r))  # no rank holds an index twice
-    if shard.replicated_heads:
+        assert by_query or len(set(shard.indices(r))) == len(shard.indices(r))  # no rank holds an index twice
+    if by_query:
+        assert min(held) >= 1 and shard.replicated_heads == (sum(held) > size)
+    elif shard.replicated_heads:
         assert min(held) >= 1  # every index somewhere; a replicated head on ws / heads ranks
         assert len({len(shard.indices(r)) for r in range(ws)}) == 1  # every rank holds as much
     else:

@@ -307,6 +307,17 @@ def test_mamba2_with_groups_split_unevenly_is_exact_at_3(ranks):
 
 
 @pytest.mark.parametrize("ws", [2, 4])
+def test_falcon_groups_dealt_by_their_query_heads_are_exact(ranks, ws):
+    """Falcon-40B's fused [kv, q_per_kv + 2, d] at a world size that neither divides its 3 groups (of 4 query heads)
+    nor is a multiple of them: 6 query heads per rank at 2 (rank 0 holds group 0 as two copies of 2 query heads and
+    group 1's first 2, each copy with its group's k and v), 3 at 4 (runs of 1 and 2 query heads: copies of 1). A
+    key/value row held on two ranks, or twice on one, gets the unsharded gradient (its copies' terms summed)."""
+    index = next(i for i, v in enumerate(verify.resolve("falcon").mapping.verify) if v.name == "grouped-kv3")
+    per_rank = ranks(ws).run(rank_cases.prove_case, "falcon", index, "FalconForCausalLM", True, True)
+    _assert_exact("falcon", index, "FalconForCausalLM", ws, per_rank, generate=True)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
 def test_llama_with_9_query_and_3_kv_heads_round_trips_checkpoints_bit_for_bit(ranks, tmp_path, ws):
     import uneven_cases
     ref, index = _with_case(tmp_path, "llama", LLAMA_9_3)
@@ -391,8 +402,6 @@ def test_paths_not_proven_uneven_are_refused_on_real_ranks(ranks, tmp_path):
 # -- every verify config at every world size 2-4 ----------------------------------------------------------
 # (model type, verify config) refused at a world size that leaves each rank a head, and why: gaps left open by name
 KNOWN_REFUSALS = {
-    ("falcon", "grouped-kv2"): "groups cannot be dealt",  # Falcon-40B's fused groups split only evenly
-    ("falcon", "grouped-kv3"): "groups cannot be dealt",
     ("stablelm", "qkln-kv4"): "a ModuleList",  # per-head q/k LayerNorms: a KV head shared by two ranks
     ("stablelm", "qkln-kv3"): "a ModuleList",
     ("zaya", "kv4"): "a ModuleList or a Param with replicate_heads: false",  # split in units of its 2 KV heads
