@@ -821,30 +821,29 @@ def _get(model: torch.nn.Module, name: str):
     return getattr(model.get_submodule(owner), attr)
 
 
-def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool) -> dict:
+def prove_case(ref: str, verify_index: int, class_name: str, training: bool, generate: bool,
+               grads: tuple[str, ...] = ("grad_fp32", "grad_fp64")) -> dict:
     """Everything CI proves for one (mapping, verify config, class) at this world size, in one round trip
     to the ranks: the forward against the unsharded model and this rank's expected parameter share
-    (always); per-shard gradients in fp32 and fp64 and greedy generate (dynamic cache) where asked. The
-    unsharded gradients and tokens are computed once between the ranks (shared_references), not on each."""
+    (always); per-shard gradients (`grads` of grad_fp32 and grad_fp64) and greedy generate (dynamic cache)
+    where asked. A grad_fp64 the config declares not_checked is proven failing on the unsharded model
+    instead. The unsharded gradients and tokens are computed once between the ranks (shared_references),
+    not on each."""
     not_checked = verify.resolve(ref).mapping.verify[verify_index].not_checked
+    dtypes = {"grad_fp32": torch.float32, "grad_fp64": torch.float64}
+    run = [k for k in grads if training and not (k == "grad_fp64" and k in not_checked)]
     jobs = {}  # the most expensive first, alone on rank 0
     if generate and "generate" not in not_checked:
         jobs["generate"] = lambda: reference_generate(ref, verify_index, class_name)
-    if training:
-        jobs["grad_fp32"] = lambda: reference_grads(ref, verify_index, class_name, torch.float32)
-        if "grad_fp64" not in not_checked:
-            jobs["grad_fp64"] = lambda: reference_grads(ref, verify_index, class_name, torch.float64)
+    for key in run:
+        jobs[key] = lambda d=dtypes[key]: reference_grads(ref, verify_index, class_name, d)
     references = shared_references(jobs)
     out = {"forward": verify.forward_case(ref, verify_index, class_name),
            "share": expected_share(ref, verify_index, class_name)}
-    if training:
-        out["grad_fp32"] = grad_case(ref, verify_index, class_name, False, torch.float32,
-                                     reference=references["grad_fp32"])
-        if "grad_fp64" in not_checked:
-            out["grad_fp64_unsharded_error"] = unsharded_fp64_error(ref, verify_index, class_name)
-        else:
-            out["grad_fp64"] = grad_case(ref, verify_index, class_name, False, torch.float64,
-                                         reference=references["grad_fp64"])
+    for key in run:
+        out[key] = grad_case(ref, verify_index, class_name, False, dtypes[key], reference=references[key])
+    if training and "grad_fp64" in grads and "grad_fp64" in not_checked:
+        out["grad_fp64_unsharded_error"] = unsharded_fp64_error(ref, verify_index, class_name)
     if generate and "generate" in not_checked:
         out["generate_unsharded_error"] = unsharded_generate_error(ref, verify_index, class_name)
     elif generate:

@@ -9,9 +9,11 @@
   rows, and one checkpoint holds a tensor larger than a default block; at 4, every run is read on its
   own and each rank reads no more bytes than it keeps: only its slices. (The check at 2 runs on the
   checkpoint the save test below writes at 4, where a mapping runs at 4.)
-* Saving: apply -> tpmap.save_pretrained writes the files transformers' save_pretrained writes for the
-  unsharded model, loads back bit-identical with plain transformers, and tpmap.from_pretrained at
-  another world size gives the unsharded logits.
+* Saving (the first verify config's first class): apply -> tpmap.save_pretrained writes the files
+  transformers' save_pretrained writes for the unsharded model, loads back bit-identical with plain
+  transformers, and tpmap.from_pretrained at another world size gives the unsharded logits. (Every class
+  was saved until 2026-12-07: 2.5 minutes of CI for heads that the load test reads at 4 and
+  save_pretrained gathers as any other split tensor.)
 * Conversions, ties, dtypes, key mappings; every bad checkpoint (missing shard or tensor, shape against
   the config, truncated file, .bin only, unknown model type) raises the same clear error on every rank.
 """
@@ -35,7 +37,7 @@ from tpmap.language import source
 
 def _shipped() -> list[tuple[str, int]]:
     """(model type, world size) of the load test: 4, and 2 where the save test does not load at 2 (it saves at 4
-    where it can, then runs the same check at 2 on what it saved, every class's own checkpoint)."""
+    where it can, then runs the same check at 2 on what it saved, the first class's checkpoint)."""
     out = []
     for model_type in source.shipped_files():
         sizes = verify.resolve(model_type).mapping.verify[0].world_sizes
@@ -168,7 +170,7 @@ def test_save_pretrained_writes_what_transformers_writes(ranks, tmp_path, model_
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    for cls in _classes(model_type):
+    for cls in _classes(model_type)[:1]:  # the load test reads every class (at 4, or at 2 where 4 is not listed)
         ours, theirs = tmp_path / cls / "tpmap", tmp_path / cls / "transformers"
         ranks(ws).run(cases.save_sharded, model_type, 0, cls, str(ours), max_shard_size="64KB")
         full = verify.build_model(model_type, 0, cls)
@@ -193,7 +195,7 @@ def test_save_pretrained_writes_what_transformers_writes(ranks, tmp_path, model_
             assert all(_read(ours, f) == _read(theirs, f) for f in os.listdir(theirs)), cls
         # and back into tensor parallelism at another world size: the unsharded logits; at 2 also every tensor
         # bit for bit against apply on transformers' load and the reference slices, read in blocks of 5 rows
-        # (the load test's check at 2, on every class's own checkpoint)
+        # (the load test's check at 2, on this checkpoint)
         if ws == 4:
             per_rank = ranks(2).run(cases.from_pretrained_equals_apply, str(ours), [cls], block_rows=5,
                                     logits_of=(model_type, 0))

@@ -1,8 +1,11 @@
 """Every shipped mapping proven on real ranks against the unsharded model, computed in the same run:
 for every embedded verify config, class and world size > 1 the forward (logits within verify.RTOL);
-for the first config at world sizes 2 and 4 also per-shard gradients (fp32 and fp64) and greedy
-generate for classes that generate. One rank round trip per (mapping, config, class, world size),
-so a new mapping is proven by adding its YAML file.
+for the first config also per-shard gradients at world sizes 2 and 4: fp32 and fp64 at 2, with greedy
+generate for classes that generate, fp64 at 4 (where 2 is not listed, the full set at 4). One rank round
+trip per (mapping, config, class, world size), so a new mapping is proven by adding its YAML file.
+(Generate and fp32 gradients at 4 too, as before 2026-12-07, cost 7 minutes of CI's full tier: generate at 4 is
+proven on the core families with a static cache in test_training.py, replicated KV heads included, and at an
+uneven split in test_uneven.py; a wrong gradient at 4 fails fp64 as surely as fp32.)
 
 Gradient tolerances: fp32 1e-4 and fp64 2e-6 relative, per parameter at its own scale, above a noise floor
 of 64 eps of its module's largest gradient (rank_cases._grad_report). Transformers' norms compute in
@@ -135,6 +138,13 @@ NOT_CHECKED_FAILS = {
 }
 
 
+def _grads(spec, ws: int, full: bool) -> tuple[str, ...]:
+    """The gradient checks of a deep case: both dtypes where `full`, else fp64 (fp32 where fp64 cannot run)."""
+    if full:
+        return ("grad_fp32", "grad_fp64")
+    return ("grad_fp32",) if "grad_fp64" in spec.not_checked else ("grad_fp64",)
+
+
 def _cases():
     out = []
     for model_type in source.shipped_files():
@@ -145,22 +155,26 @@ def _cases():
                     if ws == 1:
                         continue  # apply returns the model unchanged; lint checks the plan at 1
                     deep = index == 0 and ws in (2, 4)
-                    out.append(pytest.param(model_type, index, cls, ws, deep, deep and cls.endswith(GENERATES),
+                    # the full set (fp32 and fp64 gradients, generate) at 2, or at 4 where 2 is not listed;
+                    # the other deep size: fp64 gradients (the replicated KV heads' summed gradients at 4)
+                    full = deep and (ws == 2 or 2 not in spec.world_sizes)
+                    generate = full and cls.endswith(GENERATES)
+                    out.append(pytest.param(model_type, index, cls, ws, deep, generate, _grads(spec, ws, full),
                                             id=f"{model_type}-{spec.name}-{cls}-ws{ws}"))
                     if deep and "parallel" in verify.other_placements(model_type, index):
-                        # whole experts per rank: forward and generate here, every gradient in test_expert_parallel
+                        # whole experts per rank: forward here at 2 and 4, generate with the full set, every
+                        # gradient in test_expert_parallel
                         out.append(pytest.param(f"{model_type}{verify.PLACEMENT}parallel", index, cls, ws, False,
-                                                cls.endswith(GENERATES),
-                                                id=f"{model_type}-{spec.name}-{cls}-ws{ws}-parallel"))
+                                                generate, (), id=f"{model_type}-{spec.name}-{cls}-ws{ws}-parallel"))
     return out
 
 
 CASES = _cases()
 
 
-@pytest.mark.parametrize("ref,index,cls,ws,training,generate", CASES)
-def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, generate):
-    per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, cls, training, generate)
+@pytest.mark.parametrize("ref,index,cls,ws,training,generate,grads", CASES)
+def test_mapping_is_exact_on_real_ranks(ranks, ref, index, cls, ws, training, generate, grads):
+    per_rank = ranks(ws).run(rank_cases.prove_case, ref, index, cls, training, generate, grads)
     case = verify.Case(ref=ref, model_type=ref, verify_index=index,
                        config_name=verify.resolve(ref).mapping.verify[index].name, class_name=cls, world_size=ws)
     result = verify.judge(case, [r["forward"] for r in per_rank])
