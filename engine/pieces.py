@@ -13,8 +13,9 @@ A plain section may carry an alignment *unit* as a 4th item, ``(size, None, None
 whole units (``size // unit`` units dealt out as above), so that every rank's width is a multiple of the unit
 (stacked experts: transformers' grouped matmul needs 16-byte-aligned strides, see `aligned`).
 Optionally the dimension is first a run of ``groups`` equal groups, each
-laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads, or, at a world size
-that neither divides them nor is divided by them, by their query heads (`split_groups`).
+laid out by the sections (Falcon's [kv, q_per_kv + 2, d]); groups are dealt out like heads (whole groups by the
+balanced rule at a world size that does not divide them), or, with fewer groups than ranks that they do not
+divide, by their query heads (`split_groups`).
 
 Result: ``pieces[r]`` = tuple of ``(start, length)`` ranges of the full dimension; the rank's local
 tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1:
@@ -174,13 +175,15 @@ def split_groups(groups: int, group_width: int, sections, tp_size: int, replicat
     ``groups % tp_size == 0``: rank r holds groups [r*G/tp_size, (r+1)*G/tp_size) whole (their sections intact).
     ``tp_size % groups == 0``: m = tp_size/G ranks share group r // m, and that group's sections are split over
     those m ranks (sub-rank r % m), replicating heads as needed (a Column's output only).
-    Otherwise, with `allow_uneven`: `_groups_by_query_heads`. Returns (pieces per rank, whether any head is held
-    more than once, whether the uneven rule laid it out).
+    Otherwise, with `allow_uneven`: more groups than ranks are dealt whole by the balanced rule (3 groups at 2:
+    2 and 1; no head is held twice, and Falcon-40B's 8 groups at 3 keep 3/3/2 groups, 48/48/32 query heads);
+    fewer, `_groups_by_query_heads`. Returns (pieces per rank, whether any head is held more than once, whether
+    the split is uneven). `uneven_group_counts` gives each rank's groups and query heads under the same rule.
     """
     if groups % tp_size == 0:
         n = groups // tp_size
         return tuple(((r * n * group_width, n * group_width),) for r in range(tp_size)), False, False
-    if replicate and tp_size % groups == 0 and (
+    if tp_size % groups == 0 and (replicate or allow_uneven) and (
             not allow_uneven or not any(uneven_at(s, tp_size // groups, replicate) for s in sections)):
         m = tp_size // groups
         sub, replicated = split_sections(sections, m, replicate, fail, heads_key)
@@ -189,14 +192,30 @@ def split_groups(groups: int, group_width: int, sections, tp_size: int, replicat
             g = r // m
             pieces.append(merge((g * group_width + s, n) for s, n in sub[r % m]))
         return tuple(pieces), replicated, False
+    if allow_uneven and groups > tp_size:
+        return tuple(((start * group_width, n * group_width),) for start, n in balanced(groups, tp_size)), False, True
     if not allow_uneven or group_query_heads(groups, sections) is None:
-        works = [w for w in range(1, 2 * groups + 1) if groups % w == 0 or (replicate and w % groups == 0)]
-        why = "" if not allow_uneven else (" (another world size needs every section of a group to hold the group's "
-                                           "query heads or one head they share, as Falcon's [q_per_kv, 1, 1])")
+        works = [w for w in range(1, 2 * groups + 1)
+                 if groups % w == 0 or (replicate and w % groups == 0) or (allow_uneven and w < groups)]
+        why = "" if not allow_uneven else (" (fewer groups than ranks need every section of a group to hold the "
+                                           "group's query heads or one head they share, as Falcon's [q_per_kv, 1, 1])")
         raise fail(f"{groups} groups cannot be dealt over world size {tp_size}; world sizes that work: "
                    f"{', '.join(map(str, works[:8]))}{why}", ("groups",))
     pieces, replicated = _groups_by_query_heads(groups, group_width, sections, tp_size, replicate, fail)
     return pieces, replicated, True
+
+
+def uneven_group_counts(groups: int, query_per_group: int, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(groups, query heads) each rank holds where `split_groups` splits `groups` groups of `query_per_group` query
+    heads unevenly: whole groups dealt by the balanced rule (more groups than ranks), else copies of groups
+    (`expr.rank_heads(G, tp_size, r, query=G*Q)`, a group counted once per copy) and the balanced query heads.
+    What per_rank(num_kv_heads) and per_rank(num_attention_heads) read on each rank (Planner.features)."""
+    total = groups * query_per_group
+    if groups > tp_size:
+        held = tuple(n for _, n in balanced(groups, tp_size))
+        return held, tuple(n * query_per_group for n in held)
+    return (tuple(len(expr.rank_heads(groups, tp_size, r, total)) for r in range(tp_size)),
+            tuple(len(expr.rank_heads(total, tp_size, r)) for r in range(tp_size)))
 
 
 def group_query_heads(groups: int, sections) -> int | None:
@@ -211,13 +230,15 @@ def group_query_heads(groups: int, sections) -> int | None:
 
 def _groups_by_query_heads(groups: int, group_width: int, sections, tp_size: int, replicate: bool,
                            fail: Fail) -> tuple[tuple[Pieces, ...], bool]:
-    """The uneven rule for groups: the G*Q query heads are split by the balanced rule (`expr.rank_heads`), and
+    """The uneven rule for fewer groups than ranks (2 groups at 3, 3 at 4): the G*Q query heads are split by the
+    balanced rule (`expr.rank_heads`), and
     each rank holds, for every group its query heads read, that group's one-head sections (its key and value)
     once per g of its query heads, where g is the gcd of the runs of query heads it holds per group: exactly
     `expr.rank_heads(G, tp_size, r, query=G*Q)` groups of g query heads each (the layout HF views per rank as
     (-1, num_heads // num_kv_heads + 2, d) with num_heads = per_rank(G*Q) and num_kv_heads = per_rank(G, G*Q)).
-    E.g. 3 groups of 4 query heads at 2 ranks: 6 query heads each; rank 0 holds group 0 whole and group 1's
-    query heads 0-1 with its key and value, as two groups of 2: [q0 q1 k0 v0 | q2 q3 k0 v0 | q4 q5 k1 v1]."""
+    E.g. 3 groups of 4 query heads at 4 ranks: 3 query heads each; rank 1 holds group 0's query head 3 and group
+    1's 0-1, as three copies of 1: [q3 k0 v0 | q4 k1 v1 | q5 k1 v1]. (With more groups than ranks whole groups are
+    dealt instead: copies of one query head each would hold every k/v row up to Q times.)"""
     q = group_query_heads(groups, sections)
     assert q is not None, sections  # split_groups refuses other layouts
     total = groups * q

@@ -381,14 +381,21 @@ class Planner:
         if uneven_ok and not grouped and any(split.parts(s)[1] is None and split.parts(s)[3] == 1 for s in uneven):
             raise uneven_refused(ctx, name, uneven_ok, self.tp_size, sections, replicate)
         if grouped:
-            pieces, replicated, by_query = split.split_groups(groups, group_width, sections, self.tp_size, replicate,
-                                                              fail, heads_key, allow_uneven=True)
+            pieces, replicated, unevenly = split.split_groups(groups, group_width, sections, self.tp_size,
+                                                              replicate, fail, heads_key, allow_uneven=True)
             q = split.group_query_heads(groups, sections)
-            if q is not None:  # for even_world_sizes: the groups and their query heads split evenly, or not
-                self.layouts.append(([(groups * q, groups * q), (groups, groups, groups * q)], replicate))
-            if by_query:  # per_rank(G * Q) query heads and per_rank(G, G * Q) groups on each rank
+            # for even_world_sizes: the groups (and their query heads) split evenly, or not
+            self.layouts.append(([(groups, groups)] if q is None else
+                                 [(groups * q, groups * q), (groups, groups, groups * q)], replicate))
+            if unevenly:  # per_rank(G) and per_rank(G * Q) read what each rank holds (a Row's q heads: no groups)
                 self.uneven.append(name)
-                self.head_sections += [(groups * q, None, ctx.index), (groups, groups * q, ctx.index)]
+                if q is None:  # whole groups of another layout (split_groups refuses it with fewer groups than ranks)
+                    counts = {groups: tuple(n for _, n in split.balanced(groups, self.tp_size))}
+                else:
+                    held_groups, held_query = split.uneven_group_counts(groups, q, self.tp_size)
+                    counts = {groups * q: held_query} | ({groups: held_groups} if len(sections) > 1 else {})
+                for n, held in counts.items():
+                    self.features[n] = held if self.features.get(n, held) == held else None
             return pieces, replicated
         pieces, replicated = split.split_sections(sections, self.tp_size, replicate, fail, heads_key,
                                                   allow_uneven=True)

@@ -13,11 +13,12 @@ The rules, for element i of a split dimension of D features at world size ws:
 * groups (Falcon's [kv, q_per_kv + 2, d]): G equal groups, each laid out by the sections. G a multiple
   of ws: rank r holds the groups [r * G / ws, (r + 1) * G / ws) whole. ws a multiple of G: the ranks
   form G consecutive blocks of m = ws / G, block g shares group g, whose sections are split over its m
-  ranks as above (sub-rank r % m). Otherwise (G neither a multiple nor a divisor of ws, or a shared group whose
-  heads its m ranks do not split evenly), each section of a group holds its Q query heads or one head: the
+  ranks as above (sub-rank r % m). More groups than ranks otherwise: whole groups, the first G % ws ranks holding
+  one more. Fewer groups than ranks otherwise (not a divisor of ws, or a shared group whose heads its m ranks do
+  not split evenly), each section of a group holds its Q query heads or one head: the
   G * Q query heads are split by the head rule, and rank r holds, group by group, c / g copies of each group it
   reads c query heads of (g the gcd of those counts), each copy its next g query heads and the one-head sections
-  whole (Falcon's layout at an uneven world size: the key and value repeated as HF's view pairs them);
+  whole (Falcon's layout with fewer groups than ranks: the key and value repeated as HF's view pairs them);
 * vocabulary: ceil(V / ws) rows per rank, rank r holds rows [r * ceil(V / ws), ...) that exist; every
   rank's local tensor is padded with zero rows to ceil(V / ws).
 * uneven (a plain dim or H heads that ws does not divide, H > ws): item i (a feature, or a head) belongs to
@@ -121,6 +122,8 @@ def owners(layout: Layout, ws: int, i: int) -> set[int]:
     g, j = divmod(i, unit)
     if g_count % ws == 0:
         return {g // (g_count // ws)}
+    if g_count > ws:  # uneven: whole groups, the first G % ws ranks holding one more
+        return {_block_owner(g, g_count, ws)}
     assert ws % g_count == 0, (g_count, ws)
     m = ws // g_count
     return {g * m + s for s in _in_sections(j, layout.sections, unit, m)}
@@ -139,10 +142,10 @@ def _held(layout: Layout, ws: int, rank: int) -> tuple[int, ...]:
 
 
 def groups_by_query(layout: Layout, ws: int) -> bool:
-    """Whether the groups follow the uneven groups rule: G neither a multiple of ws nor (with every head count of
-    a group splitting evenly over the m = ws / G ranks sharing it) a divisor of it."""
+    """Whether the groups follow the uneven rule by query heads: fewer groups than ranks, G not (with every head
+    count of a group splitting evenly over the m = ws / G ranks sharing it) a divisor of ws."""
     g_count = layout.groups or 1
-    if g_count == 1 or g_count % ws == 0:
+    if g_count == 1 or g_count % ws == 0 or g_count > ws:
         return False
     return ws % g_count != 0 or any(h is not None and h % (ws // g_count) and (ws // g_count) % h
                                     for _, h, *_ in layout.sections)

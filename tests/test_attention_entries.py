@@ -46,7 +46,8 @@ WRONG = {
         "  - kind: Input\n    module: h.*.self_attention\n    when: {alibi: true}\n    argument: alibi\n"
         "    dim: 1\n    heads: num_attention_heads\n", ""),
     # Falcon-40B's grouped [kv, q_per_kv + 2, d] without `groups`: split as one [q | k | v] run
-    "falcon-grouped-without-groups": ("falcon", "grouped-kv2", 2, "    groups: num_kv_heads\n", ""),
+    "falcon-grouped-without-groups": ("falcon", "grouped-kv2", 2, "    groups: num_kv_heads\n    sections:\n",
+                                      "    sections:\n"),
     # a copy-paste slip in `when`: the grouped layout's Update gated like the MHA one, so it never applies
     # to a grouped config (and num_heads / num_kv_heads keep their full values)
     "falcon-when-slip": (

@@ -44,30 +44,35 @@ def test_groups_deal_whole_groups_or_split_a_shared_group(tp_size):
 def test_groups_refuse_a_world_size_that_neither_divides_nor_is_a_multiple():
     with pytest.raises(ValueError, match="3 groups cannot be dealt over world size 2; world sizes that work: 1, 3, 6"):
         pieces.split_groups(3, 6, [(6, None)], 2, True, _fail, _heads_key)
-    # uneven: a layout other than [query heads, one-head sections] cannot be dealt by its query heads
-    with pytest.raises(ValueError, match=r"world sizes that work: 1, 3, 6 \(another world size needs every section"):
-        pieces.split_groups(3, 6, [(6, None)], 2, True, _fail, _heads_key, allow_uneven=True)
+    # uneven, fewer groups than ranks: a layout other than [query heads, one-head sections] cannot be split
+    with pytest.raises(ValueError, match=r"3 groups cannot be dealt over world size 4; world sizes that work: "
+                                         r"1, 2, 3, 6 \(fewer groups than ranks need every section"):
+        pieces.split_groups(3, 6, [(6, None)], 4, True, _fail, _heads_key, allow_uneven=True)
 
 
-def test_uneven_groups_follow_the_balanced_query_heads_and_repeat_the_shared_heads():
-    """Falcon-40B's layout at a world size that neither divides its 3 groups nor is a multiple: 3 groups of
-    [4 q heads | k | v], head size 1 (6 features a group), 12 query heads. At 2: 6 query heads each (0-5, 6-11);
-    rank 0 reads group 0 four times and group 1 twice (gcd 2): [q0 q1 k0 v0 | q2 q3 k0 v0 | q4 q5 k1 v1], rank 1
-    [q6 q7 k1 v1 | q8 q9 k2 v2 | q10 q11 k2 v2] (features 6 + j of group 1, 12 + j of group 2)."""
+def test_uneven_groups_are_dealt_whole_or_by_their_query_heads():
+    """Falcon-40B's layout at world sizes that neither divide its 3 groups of [4 q heads | k | v] (head size 1, 6
+    features a group) nor are multiples of them. At 2, more groups than ranks: whole groups, 2 and 1, nothing held
+    twice. At 4 (3 query heads each), by query heads: rank 1 holds group 0's q3 and group 1's q0-1, runs 1 and 2,
+    gcd 1: three copies of one query head with its group's k and v, [q3 k0 v0 | q4 k1 v1 | q5 k1 v1]."""
     sections = [(4, 4), (1, 1), (1, 1)]
-    got, replicated, by_query = pieces.split_groups(3, 6, sections, 2, True, _fail, _heads_key, allow_uneven=True)
-    assert by_query and replicated
-    assert [_flat(p) for p in got] == [[0, 1, 4, 5, 2, 3, 4, 5, 6, 7, 10, 11],
-                                       [8, 9, 10, 11, 12, 13, 16, 17, 14, 15, 16, 17]]
-    # at 4 (3 query heads each): rank 1 holds q3 of group 0 and q0-1 of group 1: runs 1 and 2, gcd 1
-    got, _, _ = pieces.split_groups(3, 6, sections, 4, True, _fail, _heads_key, allow_uneven=True)
-    assert _flat(got[1]) == [3, 4, 5, 6, 10, 11, 7, 10, 11]
+    got, replicated, uneven = pieces.split_groups(3, 6, sections, 2, True, _fail, _heads_key, allow_uneven=True)
+    assert uneven and not replicated and got == (((0, 12),), ((12, 6),))
+    assert pieces.uneven_group_counts(3, 4, 2) == ((2, 1), (8, 4))
+    got, replicated, uneven = pieces.split_groups(3, 6, sections, 4, True, _fail, _heads_key, allow_uneven=True)
+    assert uneven and replicated
+    assert [_flat(p) for p in got] == [[0, 1, 2, 4, 5], [3, 4, 5, 6, 10, 11, 7, 10, 11],
+                                       [8, 10, 11, 9, 10, 11, 12, 16, 17], [13, 14, 15, 16, 17]]
+    assert pieces.uneven_group_counts(3, 4, 4) == ((1, 3, 3, 1), (3, 3, 3, 3))
     # 2 groups of 3 query heads at 4 (a shared group whose 3 heads 2 ranks cannot split evenly): 2/2/1/1
-    got, _, by_query = pieces.split_groups(2, 5, [(3, 3), (1, 1), (1, 1)], 4, True, _fail, _heads_key,
-                                           allow_uneven=True)
-    assert by_query and [_flat(p) for p in got] == [[0, 1, 3, 4], [2, 3, 4, 5, 8, 9], [6, 8, 9], [7, 8, 9]]
+    got, _, uneven = pieces.split_groups(2, 5, [(3, 3), (1, 1), (1, 1)], 4, True, _fail, _heads_key,
+                                         allow_uneven=True)
+    assert uneven and [_flat(p) for p in got] == [[0, 1, 3, 4], [2, 3, 4, 5, 8, 9], [6, 8, 9], [7, 8, 9]]
     with pytest.raises(ValueError, match="a Row's input cannot"):  # a Row cannot hold a head twice
-        pieces.split_groups(3, 6, sections, 2, False, _fail, _heads_key, allow_uneven=True)
+        pieces.split_groups(3, 6, sections, 4, False, _fail, _heads_key, allow_uneven=True)
+    # a Row of the groups' query heads only (Falcon's dense): the same query heads, nothing repeated
+    got, replicated, _ = pieces.split_groups(3, 4, [(4, 4)], 4, False, _fail, _heads_key, allow_uneven=True)
+    assert not replicated and [_flat(p) for p in got] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 
 
 def test_pieces_tile_the_dimension_once_unless_heads_are_replicated():

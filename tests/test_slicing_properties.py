@@ -70,15 +70,15 @@ def split_dims(draw):
         pieces, replicated = split_sections(layout, ws, replicate, _fail, lambda k: ())
         size = sum(s for s, _ in layout)
         return ws, pieces, replicated, None, size, ref.Layout(size, tuple(layout))
-    if replicate and ws > 1 and draw(st.booleans()):  # uneven groups: [Q query heads | one-head sections]
+    if replicate and ws > 1 and draw(st.booleans()):  # uneven groups (whole, or by query heads): [Q | one-heads]
         q, head = draw(st.integers(1, 4)), draw(st.integers(1, 3))
-        groups = draw(st.sampled_from([g for g in range(2, 2 * ws + 1) if g * q >= ws and g % ws
-                                       and (ws % g or (q % (ws // g) and (ws // g) % q))] or [2 * ws + 1]))
+        groups = draw(st.sampled_from([g for g in range(2, 2 * ws + 2) if g * q >= ws and g % ws
+                                       and (g > ws or ws % g or (q % (ws // g) and (ws // g) % q))]))
         layout = [(q * head, q)] + [(head, 1)] * draw(st.integers(0, 2))
         group_size = sum(s for s, _ in layout)
-        pieces, replicated, by_query = split_groups(groups, group_size, layout, ws, True, _fail, lambda k: (),
-                                                    allow_uneven=True)
-        assert by_query
+        pieces, replicated, uneven = split_groups(groups, group_size, layout, ws, True, _fail, lambda k: (),
+                                                  allow_uneven=True)
+        assert uneven
         return ws, pieces, replicated, None, groups * group_size, ref.Layout(groups * group_size, tuple(layout),
                                                                               groups)
     choices = [g for g in range(1, 2 * ws + 1) if g % ws == 0 or (replicate and ws % g == 0)]

@@ -309,8 +309,8 @@ def test_mamba2_with_groups_split_unevenly_is_exact_at_3(ranks):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_falcon_groups_dealt_by_their_query_heads_are_exact(ranks, ws):
     """Falcon-40B's fused [kv, q_per_kv + 2, d] at a world size that neither divides its 3 groups (of 4 query heads)
-    nor is a multiple of them: 6 query heads per rank at 2 (rank 0 holds group 0 as two copies of 2 query heads and
-    group 1's first 2, each copy with its group's k and v), 3 at 4 (runs of 1 and 2 query heads: copies of 1). A
+    nor is a multiple of them: at 2 whole groups, 2 and 1 (8 and 4 query heads, the dense Row following them); at 4
+    3 query heads per rank (runs of 1 and 2 query heads per group: copies of 1 with their group's k and v). A
     key/value row held on two ranks, or twice on one, gets the unsharded gradient (its copies' terms summed)."""
     index = next(i for i, v in enumerate(verify.resolve("falcon").mapping.verify) if v.name == "grouped-kv3")
     per_rank = ranks(ws).run(rank_cases.prove_case, "falcon", index, "FalconForCausalLM", True, True)

@@ -323,8 +323,9 @@ class _Layout(_Strict):
         description="the split dimension is this many equal groups, each laid out by 'sections' (Falcon's "
         "[kv, q_per_kv + 2, d]; DBRX's experts stacked [E * I, H]). Groups are dealt out like heads: whole "
         "groups per rank, or, with fewer groups than ranks, each group's sections split over the ranks "
-        "that share it; at any other world size, the groups' query heads split as heads and each rank holding "
-        "every group they read, its one-head sections repeated per copy (docs/mapping-schema.md)",
+        "that share it; at any other world size, whole groups by the balanced rule (more groups than ranks) or "
+        "the groups' query heads split as heads, each rank holding every group they read with its one-head "
+        "sections repeated per copy (fewer; docs/mapping-schema.md)",
     )
 
     _v_heads = field_validator("heads", "groups", "query_heads")(lambda v: v if v is None else _check_expr(v))
