@@ -1,9 +1,9 @@
 """Every shipped mapping proven on real ranks against the unsharded model, computed in the same run:
 for every embedded verify config, class and world size > 1 the forward (logits within verify.RTOL);
-for the first config also per-shard gradients at world sizes 2 and 4: fp32 and fp64 at 2, with greedy
-generate for classes that generate, fp64 at 4 (where 2 is not listed, the full set at 4). One rank round
-trip per (mapping, config, class, world size), so a new mapping is proven by adding its YAML file.
-(Generate and fp32 gradients at 4 too, as before 2026-12-07, cost 7 minutes of CI's full tier: generate at 4 is
+for the first config also per-shard gradients at world sizes 2 and 4: fp32 at 2, with greedy generate for
+classes that generate, fp64 at 4 (where only one of them is listed, all of it there). One rank round trip
+per (mapping, config, class, world size), so a new mapping is proven by adding its YAML file.
+(Both dtypes and generate at both sizes, as before 2026-12-07, cost 9 minutes of CI's full tier: generate at 4 is
 proven on the core families with a static cache in test_training.py, replicated KV heads included, and at an
 uneven split in test_uneven.py; a wrong gradient at 4 fails fp64 as surely as fp32.)
 
@@ -139,10 +139,12 @@ NOT_CHECKED_FAILS = {
 
 
 def _grads(spec, ws: int, full: bool) -> tuple[str, ...]:
-    """The gradient checks of a deep case: both dtypes where `full`, else fp64 (fp32 where fp64 cannot run)."""
+    """The gradient checks of a deep case: fp32 with the full set (and fp64 too where no other deep size is listed),
+    fp64 at the other deep size (fp32 where fp64 cannot run)."""
     if full:
-        return ("grad_fp32", "grad_fp64")
-    return ("grad_fp32",) if "grad_fp64" in spec.not_checked else ("grad_fp64",)
+        return ("grad_fp32", "grad_fp64") if not {2, 4} <= set(spec.world_sizes) else ("grad_fp32",)
+    # not_checked fp64: fp32 here, and prove_case shows the unsharded model failing fp64 as declared
+    return ("grad_fp32", "grad_fp64") if "grad_fp64" in spec.not_checked else ("grad_fp64",)
 
 
 def _cases():
@@ -155,7 +157,7 @@ def _cases():
                     if ws == 1:
                         continue  # apply returns the model unchanged; lint checks the plan at 1
                     deep = index == 0 and ws in (2, 4)
-                    # the full set (fp32 and fp64 gradients, generate) at 2, or at 4 where 2 is not listed;
+                    # the full set (fp32 gradients, generate) at 2, or at 4 where 2 is not listed;
                     # the other deep size: fp64 gradients (the replicated KV heads' summed gradients at 4)
                     full = deep and (ws == 2 or 2 not in spec.world_sizes)
                     generate = full and cls.endswith(GENERATES)
@@ -213,6 +215,8 @@ def test_each_mapping_is_proven_at_world_sizes_2_and_4_with_gradients(model_type
     deep = [c for c in CASES if c.values[0] == model_type and c.values[4]]
     assert {2, 4} <= ws, f"{model_type} is verified only at world sizes {sorted(ws)}"
     assert deep, f"{model_type}: its first verify config lists neither world size 2 nor 4"
+    grads = {key for c in deep for key in c.values[6]}
+    assert grads == {"grad_fp32", "grad_fp64"}, f"{model_type}: gradients proven only in {sorted(grads)}"
 
 
 def test_every_not_checked_claim_names_the_failure_that_proves_it():
