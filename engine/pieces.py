@@ -23,7 +23,6 @@ tensor is their concatenation. E.g. [q|k|v] of 4 heads of 8 at tp_size 2, rank 1
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from tpmap.language import expr
@@ -183,8 +182,9 @@ def split_groups(groups: int, group_width: int, sections, tp_size: int, replicat
     if groups % tp_size == 0:
         n = groups // tp_size
         return tuple(((r * n * group_width, n * group_width),) for r in range(tp_size)), False, False
-    if tp_size % groups == 0 and (replicate or allow_uneven) and (
-            not allow_uneven or not any(uneven_at(s, tp_size // groups, replicate) for s in sections)):
+    # a shared group: its sections split over its m ranks (uneven ones, with allow_uneven, by the rule below)
+    if tp_size % groups == 0 and (not any(uneven_at(s, tp_size // groups, replicate) for s in sections)
+                                  if allow_uneven else replicate):
         m = tp_size // groups
         sub, replicated = split_sections(sections, m, replicate, fail, heads_key)
         pieces = []
@@ -253,21 +253,15 @@ def _groups_by_query_heads(groups: int, group_width: int, sections, tp_size: int
             raise fail(f"{total} query heads in {groups} groups cannot be split over world size {tp_size}: fewer "
                        f"heads than ranks; world sizes that work: {', '.join(map(str, range(1, min(total, 8) + 1)))}",
                        ("groups",))
-        runs: list[list[int]] = []  # [group, first query head within it, length]
-        for j in queries:
-            if runs and runs[-1][0] == j // q:
-                runs[-1][2] += 1
-            else:
-                runs.append([j // q, j % q, 1])
-        g = math.gcd(*(n for _, _, n in runs))
+        copies = expr.rank_heads(groups, tp_size, r, total)  # a group once per g of this rank's query heads
+        g = len(queries) // len(copies)
         ranges = []
-        for group, first, n in runs:
-            for i in range(n // g):
-                for s, off in zip(sections, offsets):
-                    size, heads, _, _ = parts(s)
-                    base = group * group_width + off
-                    head = size // heads
-                    ranges.append((base + (first + i * g) * head, g * head) if heads == q else (base, size))
+        for i, group in enumerate(copies):  # copy i pairs with query heads i*g .. i*g + g - 1, as repeat_kv does
+            first = queries[i * g] - group * q
+            for s, off in zip(sections, offsets):
+                size, heads, _, _ = parts(s)
+                base, head = group * group_width + off, size // heads
+                ranges.append((base + first * head, g * head) if heads == q else (base, size))
         pieces.append(merge(ranges))
     replicated = sum(n for p in pieces for _, n in p) > groups * group_width  # a one-head section repeated
     if replicated and not replicate:

@@ -138,7 +138,7 @@ NOT_CHECKED_FAILS = {
 }
 
 
-def _grads(spec, ws: int, full: bool) -> tuple[str, ...]:
+def _grads(spec, full: bool) -> tuple[str, ...]:
     """The gradient checks of a deep case: fp32 with the full set (and fp64 too where no other deep size is listed),
     fp64 at the other deep size (fp32 where fp64 cannot run)."""
     if full:
@@ -161,7 +161,7 @@ def _cases():
                     # the other deep size: fp64 gradients (the replicated KV heads' summed gradients at 4)
                     full = deep and (ws == 2 or 2 not in spec.world_sizes)
                     generate = full and cls.endswith(GENERATES)
-                    out.append(pytest.param(model_type, index, cls, ws, deep, generate, _grads(spec, ws, full),
+                    out.append(pytest.param(model_type, index, cls, ws, deep, generate, _grads(spec, full),
                                             id=f"{model_type}-{spec.name}-{cls}-ws{ws}"))
                     if deep and "parallel" in verify.other_placements(model_type, index):
                         # whole experts per rank: forward here at 2 and 4, generate with the full set, every

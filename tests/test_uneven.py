@@ -307,7 +307,7 @@ def test_mamba2_with_groups_split_unevenly_is_exact_at_3(ranks):
 
 
 @pytest.mark.parametrize("ws", [2, 4])
-def test_falcon_groups_dealt_by_their_query_heads_are_exact(ranks, ws):
+def test_falcon_groups_split_unevenly_are_exact(ranks, ws):
     """Falcon-40B's fused [kv, q_per_kv + 2, d] at a world size that neither divides its 3 groups (of 4 query heads)
     nor is a multiple of them: at 2 whole groups, 2 and 1 (8 and 4 query heads, the dense Row following them); at 4
     3 query heads per rank (runs of 1 and 2 query heads per group: copies of 1 with their group's k and v). A
