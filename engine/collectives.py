@@ -5,6 +5,7 @@ for a group of size 1. Shapes: the split is always along the last dim (features)
     reduce_from_tp_region  forward: all-reduce (sum)  backward: identity
     gather_from_tp_region  forward: all-gather        backward: keep this rank's slice of the grad
     sum_over_tp_region     forward: all-reduce (sum)  backward: all-reduce (sum)
+    sum_items_over_holders forward: identity          backward: all-reduce of a ModuleList's items' grads
 
 The last is for a statistic summed over split features (a Norm's sum of squares) that every rank
 then uses for its own features only: each rank's loss depends on the total through its own slice, so
@@ -155,6 +156,41 @@ class _GatherFromTP(torch.autograd.Function):
                 grad = grad.index_select(-1, inverse)
         start = ctx.rank * ctx.local
         return grad[..., start : start + ctx.local].contiguous(), None, None, None
+
+
+class _SumItemsOverHolders(torch.autograd.Function):
+    """forward: the parameters unchanged. backward: each parameter's gradient summed over the ranks holding it,
+    by one all-reduce of a zeroed (items, item numel) buffer into which each rank writes its held items' rows
+    (`slots`: per parameter, its item's row and its offset in the row)."""
+
+    @staticmethod
+    def forward(ctx, slots, rows, group, *params):
+        ctx.slots, ctx.rows, ctx.group = slots, rows, group
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        like = next(g for g in grads if g is not None)
+        width = max(start + shape.numel() for (_, start), shape in zip(ctx.slots, ctx.shapes))
+        full = like.new_zeros(ctx.rows, width)  # (items, item numel)
+        for (row, start), g in zip(ctx.slots, grads):
+            if g is not None:
+                full[row, start:start + g.numel()] = g.reshape(-1)
+        full = _all_reduce(full, ctx.group, fresh=True)
+        return None, None, None, *(full[row, start:start + shape.numel()].reshape(shape).clone()
+                                   for (row, start), shape in zip(ctx.slots, ctx.shapes))
+
+
+def sum_items_over_holders(params: list[torch.Tensor], slots: list[tuple[int, int]], rows: int,
+                           group) -> tuple[torch.Tensor, ...]:
+    """The parameters of a ModuleList's held items, as tensors whose gradients are summed over the ranks holding
+    each item (a per-KV-head norm two ranks hold: each saw only its own query heads' part of the gradient).
+
+    One node for the whole list, so every rank, whatever items it holds, issues exactly one all-reduce per list
+    per backward, when the list's backward completes; and the gradient reaching each parameter is already the
+    sum, so DDP's and FSDP2's hooks, and accumulation over micro-batches, see the right value."""
+    return _SumItemsOverHolders.apply(tuple(slots), rows, group, *params)
 
 
 class _SumOverTP(torch.autograd.Function):

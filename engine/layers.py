@@ -20,6 +20,7 @@ from tpmap.engine.collectives import (
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
+    sum_items_over_holders,
     sum_over_tp_region,
 )
 
@@ -396,12 +397,60 @@ class ShardedNorm(_TPModule):
 
 class RankModuleList(nn.ModuleList):
     """This rank's items of a ModuleList (a Param entry on a per-head list), under their original indices,
-    so state-dict names stay those of the full model. Iterate it (zip, for); do not index it by position."""
+    so state-dict names stay those of the full model. Iterate it (zip, for); do not index it by position.
 
-    def __init__(self, items: dict[int, nn.Module]):
+    `order` is the rank's local order with repeats (`ParamLayout.indices`): an item held twice (a key/value
+    head read by two runs of this rank's query heads, uneven splits) is one module met twice when iterated,
+    so autograd sums both uses into its one set of parameters."""
+
+    def __init__(self, order: list[int], items: dict[int, nn.Module]):
         super().__init__()
-        for index, module in items.items():
-            self.add_module(str(index), module)
+        for index in sorted(set(order)):
+            self.add_module(str(index), items[index])
+        self.tpmap_order = tuple(str(i) for i in order)
+        self.tpmap_shared: tuple[int, object] | None = None  # (items in the full list, group): see share_over
+
+    def share_over(self, count: int, group) -> None:
+        """Some of these items are held by other ranks too: while autograd records, iterating yields each item
+        called with its parameters passed through `sum_items_over_holders` (one all-reduce per list in backward),
+        so each holder's gradient becomes the sum of every holder's."""
+        self.tpmap_shared = (count, group)
+
+    def __iter__(self):
+        items = [self._modules[key] for key in self.tpmap_order]
+        if self.tpmap_shared is None or not torch.is_grad_enabled():
+            return iter(items)
+        names, params, slots = [], [], []
+        for key, module in self._modules.items():
+            start = 0
+            for name, p in module.named_parameters():
+                if p.requires_grad:
+                    names.append((key, name))
+                    params.append(p)
+                    slots.append((int(key), start))
+                start += p.numel()
+        if not params:
+            return iter(items)
+        count, group = self.tpmap_shared
+        summed: dict[str, dict[str, torch.Tensor]] = {key: {} for key in self._modules}
+        for (key, name), t in zip(names, sum_items_over_holders(params, slots, count, group)):
+            summed[key][name] = t
+        return iter([_Through(self._modules[key], summed[key]) for key in self.tpmap_order])
+
+    def __len__(self) -> int:
+        return len(self.tpmap_order)
+
+    __repr__ = nn.Module.__repr__  # (ModuleList's own iterates)
+
+
+class _Through:
+    """Calls `module` with some of its parameters replaced by the given tensors (`torch.func.functional_call`)."""
+
+    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor]):
+        self.module, self.tensors = module, tensors
+
+    def __call__(self, *args, **kwargs):
+        return torch.func.functional_call(self.module, self.tensors, args, kwargs)
 
 
 TP_MODULES = (ColumnParallelLinear, RowParallelLinear, ColumnParallelEmbedding, VocabParallelEmbedding,

@@ -161,8 +161,8 @@ def _held_heads(size: int, heads: int, query: int | None, tp_size: int, replicat
     if None in held:
         return None, "fewer heads than ranks, not dividing the world size"
     if not replicate and sum(map(len, held)) > heads:
-        return None, ("ranks whose query heads share a head would both hold it, and a Row's input, a ModuleList or a "
-                      "Param with replicate_heads: false cannot")
+        return None, ("ranks whose query heads share a head would both hold it, and a Row's input or a Param with "
+                      "replicate_heads: false cannot")
     return held, ""
 
 

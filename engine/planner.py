@@ -521,7 +521,7 @@ class Planner:
             stacked = len(shape) >= 3 and dim != 0  # stacked experts [E, 2I, H] split inside each expert
             element_size = widths.get(shape[dim], 0) if holder == "parameter" else 0
             pieces, replicated = self.layout(entry, shape[dim], ctx, name,
-                                             replicate=holder != "modules" and entry.replicate_heads,
+                                             replicate=entry.replicate_heads,
                                              uneven_ok=STACKED_PARAM if stacked else "", element_size=element_size)
             self.tensors.append(ParamLayout(name=name, full_shape=shape, dim=dim, pieces=pieces,
                                            replicated_heads=replicated, holder=holder))

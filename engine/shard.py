@@ -263,7 +263,7 @@ def _cut(model: nn.Module, t: ParamLayout, rank: int, param, read):
         return param(old, t)
     if t.holder == "buffer":
         return read(old, t, rank)
-    return RankModuleList({i: old[i] for i in t.indices(rank)})
+    return RankModuleList(t.indices(rank), {i: old[i] for i in t.indices(rank)})
 
 
 def _floating(x) -> bool:
@@ -433,6 +433,9 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
         if shard.replicated_heads and shard.holder == "parameter":
             index = torch.tensor(shard.indices(dist.get_rank(group)), dtype=torch.long)
             _on_gradient(model, shard.name, lambda g, s=shard, i=index: sum_over_holders(g, s, i, group))
+    for shard in plan.tensors:
+        if shard.replicated_heads and shard.holder == "modules":
+            model.get_submodule(shard.name).share_over(shard.full_shape[0], group)
 
 
 def _on_gradient(model: nn.Module, name: str, hook) -> None:

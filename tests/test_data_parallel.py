@@ -24,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.full  # 4 ranks per test
 
 KV1 = {"num_key_value_heads": 1}  # one KV head at tp 2: replicated, its gradient summed over the tp group
+QKLN_KV3 = {"num_key_value_heads": 3}  # StableLM's per-KV-head norms (a ModuleList): KV head 1 on both tp ranks
 
 STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, bound)
     ("llama", "LlamaForCausalLM", KV1, "sgd", "float64", "exact", 1e-10),
@@ -35,6 +36,7 @@ STEP_CASES = [  # (model_type, class, config overrides, optimizer, dtype, loss, 
     ("qwen3", "Qwen3ForCausalLM", {}, "sgd", "float64", "exact", 1e-10),  # grad_allreduce q/k norms
     ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-5),  # Param experts + Reduce
     ("mixtral:experts=parallel", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", 1e-10),  # whole experts
+    ("stablelm", "StableLmForCausalLM", QKLN_KV3, "sgd", "float64", "exact", 1e-10),  # norms on two tp ranks
 ]
 
 
@@ -59,6 +61,7 @@ FSDP_CASES = [  # FSDP2 over dp: the whole model as one unit ("fsdp") or each bl
     ("mixtral", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp", 1e-5),
     ("gpt_oss", "GptOssForCausalLM", {}, "sgd", "float64", "exact", "fsdp", 1e-10),  # partial expert bias
     ("mixtral:experts=parallel", "MixtralForCausalLM", KV1, "sgd", "float64", "exact", "fsdp_blocks", 1e-10),
+    ("stablelm", "StableLmForCausalLM", QKLN_KV3, "sgd", "float64", "exact", "fsdp_blocks", 1e-10),
 ]
 
 

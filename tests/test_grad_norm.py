@@ -42,6 +42,8 @@ DENSE = {
     "llama-p3-tp2": (2, LLAMA, {"num_key_value_heads": 1, "vocab_size": 255}, 3.0),
     "mixtral-tp2": (2, ("mixtral", 0, "MixtralForCausalLM"), {}, 2.0),
     "stablelm-cut-norms-tp2": (2, ("stablelm", 0, "StableLmForCausalLM"), {}, 2.0),
+    # 12 query / 4 KV heads at 3: k_layernorm items [0 0 0 1], [1 2], [2 3 3 3]: held twice and on two ranks
+    "stablelm-shared-norms-tp3": (3, ("stablelm", 0, "StableLmForCausalLM"), {}, 2.0),
     "llama-kv2-vocab255-tp4": (4, LLAMA, {"vocab_size": 255}, 2.0),
     "llama-kv2-vocab255-tp4-inf": (4, LLAMA, {"vocab_size": 255}, math.inf),
     "llama-kv6-vocab256-tp3": (3, ("llama", 1, "LlamaForCausalLM"), {}, 2.0),

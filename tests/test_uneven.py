@@ -176,19 +176,23 @@ def test_a_mapping_not_proven_uneven_is_refused_at_an_uneven_world_size(tmp_path
     assert tpmap.plan(model, 5).uneven  # the shipped mapping is proven (its uneven3 config)
 
 
-def test_a_module_list_of_kv_heads_shared_by_two_ranks_is_refused_naming_sizes_that_work():
-    """StableLM-2's k_layernorm holds one LayerNorm per KV head in a ModuleList, which cannot hold an item twice: 12
-    query / 4 KV heads at 3 ranks (4/4/4 query heads) would put KV heads 1 and 2 on two ranks each. The world sizes
-    offered are those the same rule accepts (3 used to be offered, and refused)."""
+def test_a_param_whose_heads_must_not_be_shared_is_refused_naming_sizes_that_work():
+    """A Param entry with `replicate_heads: false` (StableLM-2's per-KV-head norms, edited so) refuses a world size
+    where two ranks' query heads read one KV head: 12 query / 4 KV heads at 3 ranks (4/4/4 query heads) would put
+    KV heads 1 and 2 on two ranks each. The world sizes offered are those the same rule accepts. The shipped
+    mapping (replicate_heads true) accepts 3: the shared norms sum their gradients (test below)."""
+    text = edited("stablelm", "    heads: num_key_value_heads\n    query_heads: num_attention_heads\n  - kind: Column\n"
+                  "    module: layers.*.mlp.gate_proj", "    heads: num_key_value_heads\n    query_heads: "
+                  "num_attention_heads\n    replicate_heads: false\n  - kind: Column\n    module: layers.*.mlp.gate_proj")
     with torch.device("meta"):
         model = transformers.StableLmForCausalLM(verify.tiny_config("stablelm"))
     for ws in (3, 5):
         with pytest.raises(tpmap.DivisibilityError, match=r"k_layernorm\.norms: 4 heads cannot be split over world "
                            rf"size {ws} \(ranks whose query heads share a head would both hold it, and a Row's "
-                           r"input, a ModuleList or a Param with replicate_heads: false cannot\); world sizes that "
-                           r"work: 1, 2, 4$"):
-            tpmap.plan(model, ws)
-    tpmap.plan(model, 4)
+                           r"input or a Param with replicate_heads: false cannot\); world sizes that work: 1, 2, 4$"):
+            tpmap.plan(model, ws, mapping=load_text(text, "<stablelm>"))
+    tpmap.plan(model, 4, mapping=load_text(text, "<stablelm>"))
+    assert tpmap.plan(model, 3).uneven
 
 
 def test_an_update_that_reads_tp_size_is_refused_at_an_uneven_world_size():
@@ -299,6 +303,17 @@ def test_olmo2_norms_over_uneven_and_twice_held_kv_heads_are_exact_at_3(ranks):
     _assert_exact("olmo2", 0, "Olmo2ForCausalLM", 3, per_rank, generate=False)
 
 
+@pytest.mark.parametrize("config_name,ws", [("qkln-kv4", 3), pytest.param("qkln-kv3", 4, marks=pytest.mark.full)])
+def test_per_kv_head_norms_held_by_two_ranks_sum_their_gradients(ranks, config_name, ws):
+    """StableLM-2's k_layernorm is a ModuleList of one LayerNorm per KV head (a Param entry). 12 query / 4 KV
+    heads at 3 ranks hold KV heads [0 0 0 1], [1 2], [2 3 3 3]: norm 0 met three times on rank 0 (one module,
+    autograd sums its uses), norms 1 and 2 on two ranks each (one all-reduce per list sums their holders'
+    terms). 12 / 3 at 4: [0], [0 1 1], [1 1 2], [2]. Every rank's every norm has the unsharded gradient."""
+    index = next(i for i, v in enumerate(verify.resolve("stablelm").mapping.verify) if v.name == config_name)
+    per_rank = ranks(ws).run(rank_cases.prove_case, "stablelm", index, "StableLmForCausalLM", True, ws == 4)
+    _assert_exact("stablelm", index, "StableLmForCausalLM", ws, per_rank, generate=ws == 4)
+
+
 def test_mamba2_with_groups_split_unevenly_is_exact_at_3(ranks):
     """Mamba-2's conv1d, A_log/D/dt_bias and gated-norm weight (Param entries on bare tensors) at 3 ranks over
     4 groups of 2 heads: ranks hold 2, 1, 1 whole groups."""
@@ -402,8 +417,6 @@ def test_paths_not_proven_uneven_are_refused_on_real_ranks(ranks, tmp_path):
 # -- every verify config at every world size 2-4 ----------------------------------------------------------
 # (model type, verify config) refused at a world size that leaves each rank a head, and why: gaps left open by name
 KNOWN_REFUSALS = {
-    ("stablelm", "qkln-kv4"): "a ModuleList",  # per-head q/k LayerNorms: a KV head shared by two ranks
-    ("stablelm", "qkln-kv3"): "a ModuleList",
     ("zaya", "kv4"): "a ModuleList or a Param with replicate_heads: false",  # split in units of its 2 KV heads
 }
 

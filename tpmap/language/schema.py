@@ -424,7 +424,8 @@ class Param(_Layout, _Entry):
     For tensors a module uses directly instead of through an nn.Linear: 3-D expert weights
     (``gate_up_proj [E, 2I, H]`` split on dim 1 with ``sections: 2``), attention ``sinks [H]``, Mamba's
     ``A_log [I, N]``, a depthwise conv's ``weight [C, 1, K]`` (with an Update of ``groups``). A ModuleList
-    named in ``params`` keeps this rank's items (dim 0). No collective is added: the module must read
+    named in ``params`` keeps this rank's items (dim 0); an item two ranks hold (a per-KV-head norm whose
+    head both read) has its gradient summed over its holders. No collective is added: the module must read
     its input already split (after a Column) or sit inside a ``Reduce``.
 
     ``partial: true`` (no dim): the tensor is a term of a partial sum that a ``Reduce`` (or Row) sums over

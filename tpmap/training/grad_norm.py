@@ -150,7 +150,7 @@ def _weights_by_tensor(model: nn.Module, plan, rank: int) -> dict[int, Weight]:
     out: dict[int, Weight] = {}
     for layout in plan.tensors:
         if layout.holder == "modules":  # a ModuleList cut by Param: rank r holds items indices(r), whole
-            count = Counter(i for r in range(plan.tp_size) for i in layout.indices(r))
+            count = Counter(i for r in range(plan.tp_size) for i in set(layout.indices(r)))  # holders, not uses
             for index, item in _owner(base, layout.name).named_children():  # (under their original indices)
                 for p in item.parameters():
                     out[id(p)] = 1.0 / count[int(index)]
