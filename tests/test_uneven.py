@@ -181,9 +181,9 @@ def test_a_param_whose_heads_must_not_be_shared_is_refused_naming_sizes_that_wor
     where two ranks' query heads read one KV head: 12 query / 4 KV heads at 3 ranks (4/4/4 query heads) would put
     KV heads 1 and 2 on two ranks each. The world sizes offered are those the same rule accepts. The shipped
     mapping (replicate_heads true) accepts 3: the shared norms sum their gradients (test below)."""
-    text = edited("stablelm", "    heads: num_key_value_heads\n    query_heads: num_attention_heads\n  - kind: Column\n"
-                  "    module: layers.*.mlp.gate_proj", "    heads: num_key_value_heads\n    query_heads: "
-                  "num_attention_heads\n    replicate_heads: false\n  - kind: Column\n    module: layers.*.mlp.gate_proj")
+    norms = "    heads: num_key_value_heads\n    query_heads: num_attention_heads\n"
+    gate = "  - kind: Column\n    module: layers.*.mlp.gate_proj"
+    text = edited("stablelm", norms + gate, norms + "    replicate_heads: false\n" + gate)
     with torch.device("meta"):
         model = transformers.StableLmForCausalLM(verify.tiny_config("stablelm"))
     for ws in (3, 5):
