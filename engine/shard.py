@@ -423,7 +423,9 @@ def _register_grad_hooks(model: nn.Module, plan: Plan, group) -> None:
     * `grad_allreduce` parameters (replicated, but each rank saw only its shard of the activations);
     * pieces of replicated KV heads: each holder saw only its own query heads, so the holders' grads
       are summed (added into a full-size buffer, all-reduced, sliced back): every copy of a head, on
-      several ranks or twice on one (uneven splits), then holds the unsharded gradient of that head.
+      several ranks or twice on one (uneven splits), then holds the unsharded gradient of that head;
+    * items of a ModuleList cut by a Param entry and held by several ranks (a per-KV-head norm): the list sums
+      them itself, through one `sum_items_over_holders` node per list (`RankModuleList.share_over`).
     """
     for name in plan.grad_allreduce:
         _on_gradient(model, name, lambda g: all_reduced(g, group))
