@@ -403,10 +403,10 @@ class RankModuleList(nn.ModuleList):
     head read by two runs of this rank's query heads, uneven splits) is one module met twice when iterated,
     so autograd sums both uses into its one set of parameters."""
 
-    def __init__(self, order: list[int], items: dict[int, nn.Module]):
+    def __init__(self, order: list[int], full: nn.ModuleList):
         super().__init__()
         for index in sorted(set(order)):
-            self.add_module(str(index), items[index])
+            self.add_module(str(index), full[index])
         self.tpmap_order = tuple(str(i) for i in order)
         self.tpmap_shared: tuple[int, object] | None = None  # (items in the full list, group): see share_over
 

@@ -263,7 +263,7 @@ def _cut(model: nn.Module, t: ParamLayout, rank: int, param, read):
         return param(old, t)
     if t.holder == "buffer":
         return read(old, t, rank)
-    return RankModuleList(t.indices(rank), {i: old[i] for i in t.indices(rank)})
+    return RankModuleList(t.indices(rank), old)
 
 
 def _floating(x) -> bool:

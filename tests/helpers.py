@@ -89,6 +89,11 @@ def assert_caught(ranks, path, name: str, *, expect: str) -> None:
     raise AssertionError(f"wrong mapping {name} ran ({result.error or 'passed'}); expected it to raise {expect!r}")
 
 
+def verify_index(ref: str, name: str) -> int:
+    """The index of the verify config called `name` in mapping `ref`."""
+    return next(i for i, v in enumerate(verify.resolve(ref).mapping.verify) if v.name == name)
+
+
 def even_verify_index(ref: str, cls: str, ws: int) -> int | None:
     """The first verify config of `cls` listing `ws` whose plan at `ws` is even (None if none): what a test of a
     path that refuses uneven plans (quantized tensors) runs."""

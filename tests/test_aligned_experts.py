@@ -16,7 +16,7 @@ import rank_cases
 import slicing_reference
 import torch
 import transformers
-from helpers import mapping_text, write_mapping
+from helpers import mapping_text, verify_index, write_mapping
 from test_uneven import _assert_exact
 
 import tpmap
@@ -175,8 +175,7 @@ def test_a_bf16_mixtral_runs_grouped_mm_at_an_aligned_uneven_split(ranks, tmp_pa
 
 # -- interleaved sections with biases (gpt-oss) ------------------------------------------------------------
 def _gpt_oss_uneven() -> tuple[str, int]:
-    mapping = verify.resolve("gpt_oss").mapping
-    return "gpt_oss", next(i for i, v in enumerate(mapping.verify) if v.name == "uneven")
+    return "gpt_oss", verify_index("gpt_oss", "uneven")
 
 
 def test_gpt_oss_keeps_whole_pairs_and_splits_its_bias_like_its_weight():

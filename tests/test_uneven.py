@@ -17,7 +17,7 @@ import rank_cases
 import slicing_reference
 import torch
 import transformers
-from helpers import edited, mapping_text, not_proven_uneven, write_mapping
+from helpers import edited, mapping_text, not_proven_uneven, verify_index, write_mapping
 
 import tpmap
 from tpmap import verify
@@ -312,7 +312,7 @@ def test_per_kv_head_norms_held_by_two_ranks_sum_their_gradients(ranks, config_n
     heads at 3 ranks hold KV heads [0 0 0 1], [1 2], [2 3 3 3]: norm 0 met three times on rank 0 (one module,
     autograd sums its uses), norms 1 and 2 on two ranks each (one all-reduce per list sums their holders'
     terms). 12 / 3 at 4: [0], [0 1 1], [1 1 2], [2]. Every rank's every norm has the unsharded gradient."""
-    index = next(i for i, v in enumerate(verify.resolve("stablelm").mapping.verify) if v.name == config_name)
+    index = verify_index("stablelm", config_name)
     per_rank = ranks(ws).run(rank_cases.prove_case, "stablelm", index, "StableLmForCausalLM", True, ws == 4)
     _assert_exact("stablelm", index, "StableLmForCausalLM", ws, per_rank, generate=ws == 4)
 
@@ -330,7 +330,7 @@ def test_falcon_groups_split_unevenly_are_exact(ranks, ws):
     nor is a multiple of them: at 2 whole groups, 2 and 1 (8 and 4 query heads, the dense Row following them); at 4
     3 query heads per rank (runs of 1 and 2 query heads per group: copies of 1 with their group's k and v). A
     key/value row held on two ranks, or twice on one, gets the unsharded gradient (its copies' terms summed)."""
-    index = next(i for i, v in enumerate(verify.resolve("falcon").mapping.verify) if v.name == "grouped-kv3")
+    index = verify_index("falcon", "grouped-kv3")
     per_rank = ranks(ws).run(rank_cases.prove_case, "falcon", index, "FalconForCausalLM", True, True)
     _assert_exact("falcon", index, "FalconForCausalLM", ws, per_rank, generate=True)
 
@@ -386,7 +386,7 @@ UNEVEN_PATHS = [
 @pytest.mark.parametrize("model_type,config_name,cls", UNEVEN_PATHS)
 def test_inputs_gathered_columns_and_embedding_columns_are_exact_at_an_uneven_split(ranks, model_type,
                                                                                        config_name, cls):
-    index = next(i for i, v in enumerate(verify.resolve(model_type).mapping.verify) if v.name == config_name)
+    index = verify_index(model_type, config_name)
     per_rank = ranks(3).run(rank_cases.prove_case, model_type, index, cls, True, False)
     _assert_exact(model_type, index, cls, 3, per_rank, generate=False)
 

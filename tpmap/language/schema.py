@@ -425,8 +425,8 @@ class Param(_Layout, _Entry):
     (``gate_up_proj [E, 2I, H]`` split on dim 1 with ``sections: 2``), attention ``sinks [H]``, Mamba's
     ``A_log [I, N]``, a depthwise conv's ``weight [C, 1, K]`` (with an Update of ``groups``). A ModuleList
     named in ``params`` keeps this rank's items (dim 0); an item two ranks hold (a per-KV-head norm whose
-    head both read) has its gradient summed over its holders. No collective is added: the module must read
-    its input already split (after a Column) or sit inside a ``Reduce``.
+    head both read) has its gradient summed over its holders. No collective is added to the forward: the
+    module must read its input already split (after a Column) or sit inside a ``Reduce``.
 
     ``partial: true`` (no dim): the tensor is a term of a partial sum that a ``Reduce`` (or Row) sums over
     ranks -- e.g. a bias added inside every expert's output. Rank 0 keeps it, the others hold zeros (and
